@@ -1,0 +1,83 @@
+"""Scheduler settings: frozen dataclasses, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenline.engine.types import TrafficClass
+
+
+@dataclass(frozen=True)
+class ClassConfig:
+    """Limits and batching rule of one traffic class (per model)."""
+
+    admission_window_s: float = 0.0  # how long the oldest request may wait to be batched
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1_000_000  # prompt + max new tokens of everything queued
+    max_attempts: int = 3  # first attempt + retries after worker failures
+
+    def __post_init__(self) -> None:
+        if self.admission_window_s < 0:
+            raise ValueError(f"admission_window_s must be >= 0, got {self.admission_window_s}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_queued_tokens < 1:
+            raise ValueError(f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """A tenant's share and quotas."""
+
+    weight: float = 1.0
+    max_concurrent: int = 1_000_000  # queued + running requests
+    max_queued_tokens: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ValueError(f"tenant weight must be > 0, got {self.weight}")
+        if self.max_concurrent < 1:
+            raise ValueError(f"tenant max_concurrent must be >= 1, got {self.max_concurrent}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the scheduler decides by."""
+
+    interactive: ClassConfig = field(default_factory=ClassConfig)
+    bulk: ClassConfig = field(default_factory=lambda: ClassConfig(admission_window_s=0.02))
+    # Share of each worker's sequence slots and KV blocks kept for bulk while
+    # bulk is waiting, so that interactive traffic can never starve it.
+    bulk_floor: float = 0.1
+    # KV blocks per worker never handed out (headroom for vLLM's own rounding).
+    kv_watermark_blocks: int = 1
+    # Preempt running bulk sequences when interactive work cannot otherwise fit.
+    preempt_bulk: bool = True
+    # Step time assumed before a worker has reported any (seconds).
+    step_time_prior_s: float = 0.05
+    # Prefill cost per prompt token assumed before measurements (seconds).
+    prefill_per_token_prior_s: float = 0.0
+    # A request running on a worker each time it crashed this many times is quarantined.
+    quarantine_after_crashes: int = 2
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    default_tenant: TenantConfig = field(default_factory=TenantConfig)
+    # Seconds of history used to estimate drain rate for retry hints.
+    drain_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.bulk_floor < 1.0:
+            raise ValueError(f"bulk_floor must be in [0, 1), got {self.bulk_floor}")
+        if self.kv_watermark_blocks < 0:
+            raise ValueError(f"kv_watermark_blocks must be >= 0, got {self.kv_watermark_blocks}")
+        if self.step_time_prior_s <= 0:
+            raise ValueError(f"step_time_prior_s must be > 0, got {self.step_time_prior_s}")
+        if self.quarantine_after_crashes < 1:
+            raise ValueError("quarantine_after_crashes must be >= 1")
+
+    def for_class(self, cls: TrafficClass) -> ClassConfig:
+        return self.interactive if cls == TrafficClass.INTERACTIVE else self.bulk
+
+    def for_tenant(self, tenant: str) -> TenantConfig:
+        return self.tenants.get(tenant, self.default_tenant)

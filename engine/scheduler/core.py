@@ -1,0 +1,499 @@
+"""The scheduler: a pure state machine deciding when each request departs.
+
+Events in (submit, cancel, step report, worker up/down, timer), actions out
+(dispatch, refuse, expire, stop a run, fail, retry). Time comes only from the
+injected clock, so the same code runs in the server and in virtual time.
+
+The decision at every event is `_dispatch`: for each worker with room, build a
+fresh budget and admit interactive first, then bulk, each class only when its
+dispatch rule fires (the budget would be filled, the oldest request has waited
+its admission window, or waiting longer would threaten a deadline).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenline.engine.scheduler.budget import StepBudget, blocks_for
+from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.estimator import StepEstimator
+from tokenline.engine.scheduler.queues import ClassQueue
+from tokenline.engine.scheduler.records import (
+    Action,
+    Admission,
+    Counters,
+    Dispatch,
+    Entry,
+    Expire,
+    Fail,
+    Refusal,
+    Refuse,
+    Retry,
+    StopRun,
+)
+from tokenline.engine.scheduler.status import FINAL, Status, transition
+from tokenline.engine.types import StepReport, TrafficClass, WorkerSpec
+
+CLASSES = (TrafficClass.INTERACTIVE, TrafficClass.BULK)
+
+
+@dataclass
+class WorkerView:
+    """What the scheduler knows of one worker."""
+
+    spec: WorkerSpec
+    estimator: StepEstimator
+    running: dict[str, Entry] = field(default_factory=dict)  # by run key
+    reserved_blocks: int = 0
+    seq: int = 0  # last admission batch sent
+    applied_seq: int = 0  # last admission batch the worker applied
+    pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
+    last_batch: int = 0
+    kv_blocks_free_reported: int = 0
+
+    def accepting(self) -> bool:
+        return self.spec.continuous or not self.running
+
+    def slots_free(self) -> int:
+        return self.spec.max_seqs - len(self.running) if self.accepting() else 0
+
+
+@dataclass
+class ModelState:
+    queues: dict[TrafficClass, ClassQueue]
+    workers: list[int] = field(default_factory=list)
+    # Integral over time of "no worker of this model has room" (for the queueing split).
+    no_capacity_total: float = 0.0
+    no_capacity_since: float | None = None
+    drained: deque = field(default_factory=deque)  # (time, tokens) of finished requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float]):
+        self.config = config
+        self.clock = clock
+        self.entries: dict[str, Entry] = {}
+        self.models: dict[str, ModelState] = {}
+        self.workers: dict[int, WorkerView] = {}
+        self.counters = Counters()
+        self._deadlines: list[tuple[float, str]] = []  # heap; stale rows skipped lazily
+        self._tenant_inflight: Counter[str] = Counter()
+        self._tenant_queued_tokens: Counter[str] = Counter()
+        self._preempting = False
+
+    # ------------------------------------------------------------------ events
+
+    def add_worker(self, spec: WorkerSpec) -> list[Action]:
+        est = StepEstimator(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)
+        old = self.workers.get(spec.worker_id)
+        if old is not None:  # a restarted worker keeps what was learnt of its speed
+            est = old.estimator
+        self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est, kv_blocks_free_reported=spec.kv_blocks_total)
+        model = self._model(spec.model)
+        if spec.worker_id not in model.workers:
+            model.workers.append(spec.worker_id)
+        return self._dispatch(spec.model)
+
+    def worker_lost(self, worker_id: int) -> list[Action]:
+        """A worker died: its runs go again as new attempts, or fail."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return []
+        model = self._model(w.spec.model)
+        model.workers.remove(worker_id)
+        now = self.clock()
+        actions: list[Action] = []
+        for e in list(w.running.values()):
+            e.crashes += 1
+            e.worker_id, e.blocks = None, 0
+            cls_cfg = self.config.for_class(e.cls)
+            if e.crashes >= self.config.quarantine_after_crashes:
+                transition(e, Status.FAILED)
+                self.counters.quarantined += 1
+                actions.append(Fail(e.key, f"quarantined: a worker died {e.crashes} times while running it", True))
+            elif e.attempt >= cls_cfg.max_attempts:
+                transition(e, Status.FAILED)
+                actions.append(Fail(e.key, f"worker died and all {cls_cfg.max_attempts} attempts are spent"))
+            elif e.deadline is not None and e.deadline <= now:
+                transition(e, Status.EXPIRED)
+                actions.append(Expire(e.key))
+            else:
+                transition(e, Status.QUEUED)
+                e.attempt += 1
+                self.counters.retries += 1
+                self._enqueue(e, now, front=True)
+                actions.append(Retry(e.key, e.attempt))
+                continue
+            self._forget(e)
+        return actions + self._dispatch(w.spec.model)
+
+    def submit(self, entry: Entry) -> list[Action]:
+        """A new request: refuse it now, or queue it (and maybe dispatch it)."""
+        now = self.clock()
+        entry.arrival = now
+        refusal = self._check_admissible(entry, now)
+        if refusal is not None:
+            self.counters.refused[refusal.reason.value] = self.counters.refused.get(refusal.reason.value, 0) + 1
+            return [refusal]
+        self.entries[entry.key] = entry
+        self._tenant_inflight[entry.tenant] += 1
+        if entry.deadline is not None:
+            heapq.heappush(self._deadlines, (entry.deadline, entry.key))
+        self._enqueue(entry, now)
+        return self._dispatch(entry.model)
+
+    def cancel(self, key: str) -> list[Action]:
+        e = self.entries.get(key)
+        if e is None or e.status in FINAL:
+            return []
+        actions: list[Action] = []
+        if e.status == Status.QUEUED:
+            self._dequeue(e)
+        else:
+            actions.append(StopRun(e.key, e.worker_id, e.run_key))
+            self._release(e)
+        transition(e, Status.CANCELLED)
+        self.counters.cancelled += 1
+        self._forget(e)
+        return actions + self._dispatch(e.model)
+
+    def on_step(self, report: StepReport) -> list[Action]:
+        """A worker finished a step: learn its speed, count tokens, free finished runs."""
+        w = self.workers.get(report.worker_id)
+        if w is None:
+            return []
+        now = self.clock()
+        w.applied_seq = max(w.applied_seq, report.applied_seq)
+        for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
+            del w.pending_prefill[seq]
+        w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
+        w.last_batch = report.batch_size
+        w.kv_blocks_free_reported = report.kv_blocks_free
+        step = w.estimator.step_s(max(len(w.running), 1))
+        for out in report.outputs:
+            e = w.running.get(out.key)
+            if e is None:
+                self.counters.stale_outputs += 1
+                continue
+            e.generated += len(out.new_token_ids)
+            e.est_finish = now + e.remaining * step
+            if out.finished:
+                self._finish(e, now)
+        return self._dispatch(w.spec.model)
+
+    def on_timer(self) -> list[Action]:
+        """Expire what passed its deadline and fire admission windows that ran out."""
+        now = self.clock()
+        actions: list[Action] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, key = heapq.heappop(self._deadlines)
+            e = self.entries.get(key)
+            if e is None or e.deadline is None or e.deadline > now:
+                continue
+            if e.status == Status.QUEUED:
+                self._dequeue(e)
+                self.counters.expired_queued += 1
+                actions.append(Expire(e.key))
+            else:
+                actions.append(Expire(e.key, e.worker_id, e.run_key))
+                self.counters.expired_running += 1
+                self._release(e)
+            transition(e, Status.EXPIRED)
+            self._forget(e)
+        for name in self.models:
+            actions += self._dispatch(name)
+        return actions
+
+    def next_wakeup(self) -> float | None:
+        """The earliest time `on_timer` has something to do."""
+        while self._deadlines and self._deadlines[0][1] not in self.entries:
+            heapq.heappop(self._deadlines)
+        times = [self._deadlines[0][0]] if self._deadlines else []
+        for name, model in self.models.items():
+            for cls in CLASSES:
+                t = self._rule_fires_at(name, model, cls)
+                if t is not None:
+                    times.append(t)
+        return min(times, default=None)
+
+    # ------------------------------------------------------------- dispatching
+
+    def _dispatch(self, model_name: str) -> list[Action]:
+        now = self.clock()
+        model = self.models[model_name]
+        actions: list[Action] = []
+        for wid in sorted(model.workers, key=lambda i: -self.workers[i].slots_free()):
+            w = self.workers[wid]
+            budget = self._budget(w)
+            admitted: list[Admission] = []
+            for cls in CLASSES:
+                queue = model.queues[cls]
+                if not queue or not self._rule_fires(model_name, cls, budget, now):
+                    continue
+                reserve = self._bulk_reserve(w, model) if cls == TrafficClass.INTERACTIVE else 0
+                while queue:
+                    e = queue.peek()
+                    if budget.slots - 1 < reserve or not budget.try_admit(e):
+                        break
+                    self._dequeue(e, admitted=True)
+                    admitted.append(self._admit(e, w, now))
+            if admitted:
+                w.seq += 1
+                w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in admitted)
+                actions.append(Dispatch(wid, w.seq, tuple(admitted)))
+        if self.config.preempt_bulk and not self._preempting:
+            self._preempting = True
+            try:
+                actions += self._preempt_for_interactive(model_name, model, now)
+            finally:
+                self._preempting = False
+        self._note_capacity(model, now)
+        return actions
+
+    def _budget(self, w: WorkerView) -> StepBudget:
+        free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
+        pending = sum(w.pending_prefill.values())
+        return StepBudget(
+            slots=w.slots_free(),
+            blocks=free_blocks,
+            prefill_tokens=max(w.spec.prefill_token_budget - pending, 0),
+            block_size=w.spec.block_size,
+            fresh_step=pending == 0,
+        )
+
+    def _rule_fires(self, model_name: str, cls: TrafficClass, budget: StepBudget, now: float) -> bool:
+        """Admit now if the budget would be filled, the window ran out, or a deadline is threatened."""
+        if budget.exhausted:
+            return False
+        fires_at = self._rule_fires_at(model_name, self.models[model_name], cls)
+        if fires_at is not None and fires_at <= now:
+            return True
+        trial = StepBudget(budget.slots, budget.blocks, budget.prefill_tokens, budget.block_size, fresh_step=budget._fresh_step)
+        for e in self.models[model_name].queues[cls]:
+            if not trial.try_admit(e):
+                return True
+            if trial.exhausted:
+                return True
+        return False
+
+    def _rule_fires_at(self, model_name: str, model: ModelState, cls: TrafficClass) -> float | None:
+        oldest = model.queues[cls].oldest()
+        if oldest is None:
+            return None
+        at = oldest.arrival + self.config.for_class(cls).admission_window_s
+        if model.queues[cls].with_deadline:
+            for e in model.queues[cls]:
+                if e.deadline is not None:
+                    at = min(at, e.deadline - self._service_estimate(model_name, e))
+        return at
+
+    def _bulk_reserve(self, w: WorkerView, model: ModelState) -> int:
+        """Slots interactive may not take from this worker while bulk waits below its floor."""
+        if not model.queues[TrafficClass.BULK] or self.config.bulk_floor == 0:
+            return 0
+        floor = max(1, math.floor(w.spec.max_seqs * self.config.bulk_floor))
+        bulk_running = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK)
+        return max(floor - bulk_running, 0)
+
+    def _admit(self, e: Entry, w: WorkerView, now: float) -> Admission:
+        model = self.models[e.model]
+        transition(e, Status.RUNNING)
+        no_cap_now = self._no_capacity_integral(model, now)
+        waited = now - e.queued_since
+        queueing = min(max(no_cap_now - e.no_capacity_at_enqueue, 0.0), waited)
+        e.queueing_s, e.admission_wait_s = queueing, waited - queueing
+        e.run += 1
+        e.worker_id = w.spec.worker_id
+        e.blocks = blocks_for(e, w.spec.block_size)
+        w.reserved_blocks += e.blocks
+        w.running[e.run_key] = e
+        batch = len(w.running)
+        e.est_finish = now + w.estimator.first_token_s(batch, e.prompt_tokens) + max(e.remaining - 1, 0) * w.estimator.step_s(batch)
+        self.counters.admitted += 1
+        return Admission(e.key, e.run_key, e.attempt, e.generated, e.queueing_s, e.admission_wait_s)
+
+    def _preempt_for_interactive(self, model_name: str, model: ModelState, now: float) -> list[Action]:
+        """Interactive work that fits nowhere takes KV blocks and slots from running bulk.
+
+        The newest bulk runs go first; bulk keeps its floor, so it never starves.
+        A preempted run goes back to the front of the bulk queue with its
+        arrival time and the tokens it produced, and later continues from them.
+        """
+        head = model.queues[TrafficClass.INTERACTIVE].peek()
+        fires_at = self._rule_fires_at(model_name, model, TrafficClass.INTERACTIVE)
+        if head is None or fires_at is None or fires_at > now:
+            return []
+        for wid in model.workers:
+            w = self.workers[wid]
+            if not w.spec.continuous:
+                continue
+            floor = math.floor(w.spec.max_seqs * self.config.bulk_floor)
+            bulk = sorted((e for e in w.running.values() if e.cls == TrafficClass.BULK), key=lambda e: e.arrival)
+            victims = list(reversed(bulk[floor:]))
+            budget = self._budget(w)
+            chosen: list[Entry] = []
+            for v in victims:
+                if budget.fits(head):
+                    break
+                chosen.append(v)
+                budget.slots += 1
+                budget.blocks += v.blocks
+            if not chosen or not budget.fits(head):
+                continue
+            actions: list[Action] = []
+            for v in chosen:
+                actions.append(StopRun(v.key, wid, v.run_key, preempted=True))
+                self._release(v)
+                transition(v, Status.QUEUED)
+                v.preemptions += 1
+                self.counters.preemptions += 1
+                self._enqueue(v, now, front=True)
+            return actions + self._dispatch(model_name)
+        return []
+
+    # ------------------------------------------------------------- admission
+
+    def _check_admissible(self, e: Entry, now: float) -> Refuse | None:
+        if e.key in self.entries:
+            return Refuse(e.key, Refusal.DUPLICATE, f"request id {e.key!r} is already in flight")
+        model = self.models.get(e.model)
+        if model is None or not model.workers:
+            return Refuse(e.key, Refusal.NO_WORKER, f"no worker is serving model {e.model!r} right now", 1.0)
+        if all(blocks_for(e, self.workers[w].spec.block_size) > self.workers[w].spec.kv_blocks_total - self.config.kv_watermark_blocks for w in model.workers):
+            return Refuse(e.key, Refusal.TOO_LARGE, "prompt plus max_tokens needs more KV cache than a worker has; lower max_tokens or shorten the prompt")
+        cls_cfg = self.config.for_class(e.cls)
+        queue = model.queues[e.cls]
+        if queue.requests + 1 > cls_cfg.max_queued_requests or queue.tokens + e.cost > cls_cfg.max_queued_tokens:
+            excess = max(queue.tokens + e.cost - cls_cfg.max_queued_tokens, e.cost)
+            return Refuse(e.key, Refusal.QUEUE_FULL, f"the {e.cls.name.lower()} queue for {e.model!r} is full ({queue.requests} requests, {queue.tokens} tokens)", self._retry_after(model, excess, now))
+        tenant_cfg = self.config.for_tenant(e.tenant)
+        inflight = self._tenant_inflight[e.tenant]
+        if inflight + 1 > tenant_cfg.max_concurrent:
+            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {inflight} requests in flight, its limit is {tenant_cfg.max_concurrent}", self._retry_after(model, e.cost, now))
+        queued_tokens = self._tenant_queued_tokens[e.tenant]
+        if queued_tokens + e.cost > tenant_cfg.max_queued_tokens:
+            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {queued_tokens} tokens queued, its limit is {tenant_cfg.max_queued_tokens}", self._retry_after(model, e.cost, now))
+        if e.deadline is not None:
+            start = self._estimate_start(e, model, now)
+            done = start + self._service_estimate(e.model, e)
+            if done > e.deadline:
+                return Refuse(e.key, Refusal.DEADLINE, f"cannot produce its first token before the deadline: estimated at {1000 * (done - now):.0f} ms from now, deadline in {1000 * (e.deadline - now):.0f} ms")
+        return None
+
+    def _service_estimate(self, model_name: str, e: Entry) -> float:
+        """Admission to first token on this model's typical worker."""
+        model = self.models[model_name]
+        if not model.workers:
+            return self.config.step_time_prior_s
+        w = self.workers[model.workers[0]]
+        return w.estimator.first_token_s(max(len(w.running), 1), e.prompt_tokens)
+
+    def _estimate_start(self, e: Entry, model: ModelState, now: float) -> float:
+        """When a slot could be free for `e`, given what runs and what queues ahead of it."""
+        free_at: list[float] = []
+        for wid in model.workers:
+            w = self.workers[wid]
+            if w.accepting():
+                free_at += [now] * w.slots_free()
+                free_at += sorted(x.est_finish for x in w.running.values())
+            else:
+                batch_end = max(x.est_finish for x in w.running.values())
+                free_at += [batch_end] * w.spec.max_seqs
+        free_at.sort()
+        ahead = len(model.queues[TrafficClass.INTERACTIVE])
+        if e.cls == TrafficClass.BULK:
+            ahead += len(model.queues[TrafficClass.BULK])
+        if not free_at:
+            return math.inf
+        if ahead < len(free_at):
+            start = free_at[ahead]
+        else:
+            rounds = ahead // len(free_at)
+            start = free_at[ahead % len(free_at)] + rounds * self._service_estimate(e.model, e)
+        return max(start, now)
+
+    def _retry_after(self, model: ModelState, tokens: int, now: float) -> float:
+        window = self.config.drain_window_s
+        while model.drained and model.drained[0][0] < now - window:
+            model.drained.popleft()
+        rate = sum(t for _, t in model.drained) / window
+        if rate <= 0:
+            return 1.0
+        return min(max(tokens / rate, 0.01), 60.0)
+
+    # ------------------------------------------------------------- bookkeeping
+
+    def _model(self, name: str) -> ModelState:
+        if name not in self.models:
+            weight = lambda tenant: self.config.for_tenant(tenant).weight  # noqa: E731
+            self.models[name] = ModelState(queues={cls: ClassQueue(weight) for cls in CLASSES})
+        return self.models[name]
+
+    def _enqueue(self, e: Entry, now: float, *, front: bool = False) -> None:
+        """Queue `e`; its arrival time stays what it was (a requeue keeps its age)."""
+        model = self._model(e.model)
+        e.queued_since = now
+        e.no_capacity_at_enqueue = self._no_capacity_integral(model, now)
+        model.queues[e.cls].push(e, front=front)
+        self._tenant_queued_tokens[e.tenant] += e.cost
+
+    def _dequeue(self, e: Entry, *, admitted: bool = False) -> None:
+        queue = self.models[e.model].queues[e.cls]
+        if admitted:
+            queue.pop_admitted(e)
+        else:
+            queue.remove(e)
+        self._tenant_queued_tokens[e.tenant] -= e.cost
+
+    def _finish(self, e: Entry, now: float) -> None:
+        self._release(e)
+        transition(e, Status.FINISHED)
+        self.counters.finished += 1
+        self.models[e.model].drained.append((now, e.prompt_tokens + e.generated))
+        self._forget(e)
+
+    def _release(self, e: Entry) -> None:
+        w = self.workers.get(e.worker_id) if e.worker_id is not None else None
+        if w is not None and w.running.pop(e.run_key, None) is not None:
+            w.reserved_blocks -= e.blocks
+        e.worker_id, e.blocks = None, 0
+
+    def _forget(self, e: Entry) -> None:
+        if self.entries.pop(e.key, None) is not None:
+            self._tenant_inflight[e.tenant] -= 1
+            if not self._tenant_inflight[e.tenant]:
+                del self._tenant_inflight[e.tenant]
+
+    def _note_capacity(self, model: ModelState, now: float) -> None:
+        has_room = any(self._budget(self.workers[w]).slots > 0 and self._budget(self.workers[w]).blocks > 0 for w in model.workers)
+        if has_room and model.no_capacity_since is not None:
+            model.no_capacity_total += now - model.no_capacity_since
+            model.no_capacity_since = None
+        elif not has_room and model.no_capacity_since is None:
+            model.no_capacity_since = now
+
+    def _no_capacity_integral(self, model: ModelState, now: float) -> float:
+        total = model.no_capacity_total
+        if model.no_capacity_since is not None:
+            total += now - model.no_capacity_since
+        return total
+
+    # ------------------------------------------------------------- inspection
+
+    def queue_depth(self, model: str, cls: TrafficClass) -> tuple[int, int]:
+        """(requests, tokens) queued."""
+        q = self.models[model].queues[cls] if model in self.models else None
+        return (q.requests, q.tokens) if q else (0, 0)
+
+    def oldest_age(self, model: str, cls: TrafficClass) -> float:
+        q = self.models.get(model)
+        oldest = q.queues[cls].oldest() if q else None
+        return self.clock() - oldest.arrival if oldest else 0.0
+
+    def running(self, worker_id: int) -> int:
+        w = self.workers.get(worker_id)
+        return len(w.running) if w else 0

@@ -1,0 +1,140 @@
+"""What the scheduler keeps per request, and the actions it emits."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tokenline.engine.scheduler.status import Status
+from tokenline.engine.types import TrafficClass
+
+
+@dataclass
+class Entry:
+    """The scheduler's view of one request (all of its attempts)."""
+
+    key: str  # unique among requests in flight (the frontend scopes it by tenant)
+    model: str
+    tenant: str
+    cls: TrafficClass
+    prompt_tokens: int
+    max_tokens: int
+    arrival: float  # when it was enqueued; kept while it waits, whatever happens to workers
+    deadline: float | None = None
+    status: Status = Status.QUEUED
+    attempt: int = 1
+    run: int = 0  # admissions so far (a preemption re-admits without a new attempt)
+    generated: int = 0  # tokens produced by earlier runs and this one
+    crashes: int = 0  # workers that died while it was running
+    preemptions: int = 0
+    worker_id: int | None = None
+    blocks: int = 0  # KV blocks reserved on its worker
+    est_finish: float = 0.0
+    # accounting
+    no_capacity_at_enqueue: float = 0.0
+    queueing_s: float = 0.0
+    admission_wait_s: float = 0.0
+    queued_since: float = 0.0
+
+    @property
+    def cost(self) -> int:
+        """Tokens it may occupy: prompt plus new tokens still owed."""
+        return self.prompt_tokens + self.max_tokens
+
+    @property
+    def remaining(self) -> int:
+        return max(self.max_tokens - self.generated, 0)
+
+    @property
+    def run_key(self) -> str:
+        """The worker-side id of the current run; output of older runs is stale."""
+        return f"{self.key}@{self.run}"
+
+
+class Refusal(enum.Enum):
+    QUEUE_FULL = "queue_full"
+    TENANT_LIMIT = "tenant_limit"
+    DEADLINE = "deadline_unmeetable"
+    NO_WORKER = "no_worker"
+    TOO_LARGE = "too_large"
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True)
+class Admission:
+    key: str
+    run_key: str
+    attempt: int
+    generated: int  # tokens already delivered: the run continues after them
+    queueing_s: float  # this wait: time queued while no worker had room
+    admission_wait_s: float  # this wait: time queued while some worker had room
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Admit these runs into a worker at its next step boundary."""
+
+    worker_id: int
+    seq: int
+    admissions: tuple[Admission, ...]
+
+
+@dataclass(frozen=True)
+class Refuse:
+    key: str
+    reason: Refusal
+    message: str
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Expire:
+    """Deadline passed: answer DEADLINE_EXCEEDED; abort the run if there is one."""
+
+    key: str
+    worker_id: int | None = None
+    run_key: str | None = None
+
+
+@dataclass(frozen=True)
+class StopRun:
+    """Abort a run in its worker (cancel, preemption); frees its KV at once."""
+
+    key: str
+    worker_id: int
+    run_key: str
+    preempted: bool = False
+
+
+@dataclass(frozen=True)
+class Fail:
+    key: str
+    message: str
+    quarantined: bool = False
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Its worker died; it goes again as `attempt`, continuing after `generated`."""
+
+    key: str
+    attempt: int
+
+
+Action = Dispatch | Refuse | Expire | StopRun | Fail | Retry
+
+
+@dataclass
+class Counters:
+    """What the scheduler did, for metrics."""
+
+    admitted: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    expired_queued: int = 0
+    expired_running: int = 0
+    preemptions: int = 0
+    retries: int = 0
+    quarantined: int = 0
+    stale_outputs: int = 0
+    finished: int = 0
+    cancelled: int = 0

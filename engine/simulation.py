@@ -1,0 +1,277 @@
+"""Virtual-time runs of the real scheduler against simulated workers.
+
+Used by the scheduler's tests and by `tokenline bench simulate`. The workers
+here are cost models, not processes: a step takes `cost(batch, prefill)`
+virtual seconds and yields one token per running sequence. A fixed-batch
+worker runs each batch to completion before it takes the next; a continuous
+worker admits new sequences at every step boundary.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.core import Scheduler
+from tokenline.engine.scheduler.records import Dispatch, Entry, Expire, Fail, Refuse, Retry, StopRun
+from tokenline.engine.types import SeqOutput, StepReport, TrafficClass, WorkerSpec
+
+
+class VirtualClock:
+    def __init__(self, start: float = 0.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    key: str
+    arrival: float
+    prompt_tokens: int = 16
+    max_tokens: int = 1
+    cls: TrafficClass = TrafficClass.INTERACTIVE
+    deadline: float | None = None
+    tenant: str = "default"
+    cancel_at: float | None = None
+
+
+@dataclass
+class Outcome:
+    key: str
+    cls: TrafficClass
+    tenant: str
+    arrival: float
+    status: str = "queued"  # finished | refused | expired | cancelled | failed
+    departed: float | None = None  # first admission
+    first_token: float | None = None
+    completed: float | None = None
+    worker_id: int | None = None
+    tokens: int = 0
+    message: str = ""
+    queueing_s: float = 0.0
+    admission_wait_s: float = 0.0
+    admissions: int = 0
+
+    @property
+    def waited(self) -> float | None:
+        return None if self.departed is None else self.departed - self.arrival
+
+    @property
+    def end_to_end(self) -> float | None:
+        return None if self.completed is None else self.completed - self.arrival
+
+
+CostModel = Callable[[int, int], float]  # (batch size, prefill tokens) -> seconds
+
+
+def fixed_cost(seconds: float) -> CostModel:
+    return lambda batch, prefill: seconds
+
+
+def linear_cost(base_s: float, per_seq_s: float, per_prefill_token_s: float = 0.0) -> CostModel:
+    return lambda batch, prefill: base_s + per_seq_s * batch + per_prefill_token_s * prefill
+
+
+@dataclass
+class _Seq:
+    run_key: str
+    max_tokens: int
+    prompt_tokens: int
+    generated: int = 0
+    prefilled: bool = False
+
+
+@dataclass
+class SimWorker:
+    """A worker as a cost model, stepping in virtual time."""
+
+    spec: WorkerSpec
+    cost: CostModel
+    running: dict[str, _Seq] = field(default_factory=dict)
+    pending: list[tuple[int, list[_Seq]]] = field(default_factory=list)
+    applied_seq: int = 0
+    busy_until: float | None = None
+    steps: int = 0
+    busy_time: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+def worker_spec(worker_id: int, *, max_seqs: int, continuous: bool, kv_blocks: int = 1_000_000, block_size: int = 16, prefill_token_budget: int = 1_000_000, model: str = "sim") -> WorkerSpec:
+    return WorkerSpec(
+        worker_id=worker_id, model=model, model_version="sim", kv_blocks_total=kv_blocks, block_size=block_size,
+        max_seqs=max_seqs, max_model_len=1_000_000, prefill_token_budget=prefill_token_budget, vocab_size=1000,
+        eos_token_id=None, continuous=continuous,
+    )
+
+
+class Simulation:
+    """Drives one Scheduler and its simulated workers through a list of requests."""
+
+    def __init__(self, config: SchedulerConfig, workers: Iterable[tuple[WorkerSpec, CostModel]], *, start: float = 0.0):
+        self.clock = VirtualClock(start)
+        self.scheduler = Scheduler(config, self.clock)
+        self.workers = {spec.worker_id: SimWorker(spec, cost) for spec, cost in workers}
+        self.outcomes: dict[str, Outcome] = {}
+        self._events: list[tuple[float, int, str, object]] = []
+        self._order = itertools.count()
+        self._timer_at: float | None = None
+        self._last_timer_run: float | None = None
+        self._work_seq: dict[str, int] = {}
+        self.max_queue = 0
+        for w in self.workers.values():
+            self._handle(self.scheduler.add_worker(w.spec))
+
+    def run(self, requests: Iterable[SimRequest], *, until: float | None = None) -> dict[str, Outcome]:
+        by_key: dict[str, SimRequest] = {}
+        for r in requests:
+            by_key[r.key] = r
+            self._push(r.arrival, "arrive", r)
+            if r.cancel_at is not None:
+                self._push(r.cancel_at, "cancel", r.key)
+        while self._events:
+            t, _, kind, payload = heapq.heappop(self._events)
+            if until is not None and t > until:
+                break
+            self.clock.now = max(self.clock.now, t)
+            if kind == "arrive":
+                self._arrive(payload)
+            elif kind == "cancel":
+                o = self.outcomes.get(payload)
+                actions = self.scheduler.cancel(payload)
+                if o is not None and o.status in ("queued", "running"):
+                    o.status, o.completed = "cancelled", self.clock.now
+                self._handle(actions)
+            elif kind == "step_end":
+                self._step_end(self.workers[payload])
+            elif kind == "timer":
+                if self._timer_at == t:
+                    self._timer_at = None
+                    self._last_timer_run = t
+                    self._handle(self.scheduler.on_timer())
+            self._arm_timer()
+            depth = sum(len(q) for m in self.scheduler.models.values() for q in m.queues.values())
+            self.max_queue = max(self.max_queue, depth)
+        return self.outcomes
+
+    # ------------------------------------------------------------------ events
+
+    def _push(self, t: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._events, (t, next(self._order), kind, payload))
+
+    def _arrive(self, r: SimRequest) -> None:
+        self.outcomes[r.key] = Outcome(r.key, r.cls, r.tenant, r.arrival)
+        entry = Entry(key=r.key, model=next(iter(self.workers.values())).spec.model, tenant=r.tenant, cls=r.cls,
+                      prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens, arrival=r.arrival, deadline=r.deadline)
+        self._handle(self.scheduler.submit(entry))
+
+    def _arm_timer(self) -> None:
+        wake = self.scheduler.next_wakeup()
+        if wake is None:
+            return
+        now = self.clock.now
+        if wake <= now:
+            if self._last_timer_run == now:
+                return  # already ran at this instant; capacity events will dispatch the rest
+            wake = now
+        if self._timer_at is None or wake < self._timer_at:
+            self._timer_at = wake
+            self._push(wake, "timer", None)
+
+    def _handle(self, actions: list) -> None:
+        now = self.clock.now
+        for a in actions:
+            if isinstance(a, Dispatch):
+                w = self.workers[a.worker_id]
+                seqs = []
+                for adm in a.admissions:
+                    o = self.outcomes[adm.key]
+                    o.status = "running"
+                    o.admissions += 1
+                    o.worker_id = a.worker_id
+                    o.queueing_s += adm.queueing_s
+                    o.admission_wait_s += adm.admission_wait_s
+                    if o.departed is None:
+                        o.departed = now
+                    e = self.scheduler.entries[adm.key]
+                    seqs.append(_Seq(adm.run_key, e.max_tokens - adm.generated, e.prompt_tokens + adm.generated))
+                w.pending.append((a.seq, seqs))
+                if w.busy_until is None:
+                    self._start_step(w)
+            elif isinstance(a, Refuse):
+                o = self.outcomes[a.key]
+                o.status, o.message, o.completed = "refused", a.message, now
+            elif isinstance(a, Expire):
+                o = self.outcomes[a.key]
+                o.status, o.completed = "expired", now
+                if a.worker_id is not None:
+                    self._abort(a.worker_id, a.run_key)
+            elif isinstance(a, StopRun):
+                self._abort(a.worker_id, a.run_key)
+            elif isinstance(a, Fail):
+                o = self.outcomes[a.key]
+                o.status, o.message, o.completed = "failed", a.message, now
+            elif isinstance(a, Retry):
+                pass
+
+    def _abort(self, worker_id: int, run_key: str) -> None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        w.running.pop(run_key, None)
+        for _, seqs in w.pending:
+            seqs[:] = [s for s in seqs if s.run_key != run_key]
+
+    def _start_step(self, w: SimWorker) -> None:
+        if not w.spec.continuous and w.running:
+            pass  # a fixed batch runs to completion; admissions wait in `pending`
+        else:
+            for seq, seqs in w.pending:
+                w.applied_seq = max(w.applied_seq, seq)
+                for s in seqs:
+                    w.running[s.run_key] = s
+            w.pending.clear()
+        if not w.running:
+            w.busy_until = None
+            return
+        prefill = sum(s.prompt_tokens for s in w.running.values() if not s.prefilled)
+        duration = w.cost(len(w.running), prefill)
+        w.busy_until = self.clock.now + duration
+        w.busy_time += duration
+        w.steps += 1
+        w.batch_sizes.append(len(w.running))
+        self._push(w.busy_until, "step_end", w.spec.worker_id)
+
+    def _step_end(self, w: SimWorker) -> None:
+        now = self.clock.now
+        outputs = []
+        batch = len(w.running)
+        prefill = 0
+        for s in list(w.running.values()):
+            if not s.prefilled:
+                prefill += s.prompt_tokens
+                s.prefilled = True
+            s.generated += 1
+            done = s.generated >= s.max_tokens
+            outputs.append(SeqOutput(s.run_key, [1], "x", finished=done))
+            key = s.run_key.rsplit("@", 1)[0]
+            o = self.outcomes.get(key)
+            if o is not None:
+                o.tokens += 1
+                if o.first_token is None:
+                    o.first_token = now
+                if done:
+                    o.status, o.completed = "finished", now
+            if done:
+                del w.running[s.run_key]
+        report = StepReport(worker_id=w.spec.worker_id, applied_seq=w.applied_seq, step_s=w.cost(batch, prefill),
+                            batch_size=batch, prefill_tokens=prefill, kv_blocks_free=0, running=len(w.running),
+                            waiting=0, outputs=outputs)
+        w.busy_until = None
+        self._handle(self.scheduler.on_step(report))
+        if w.busy_until is None:
+            self._start_step(w)

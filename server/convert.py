@@ -1,0 +1,181 @@
+"""Proto ↔ domain conversion, with every check a request must pass before any work.
+
+Pure functions: they raise `InvalidRequest` / `ModelNotFound` with a message
+that says what to change, and never touch the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from dataclasses import dataclass
+
+from tokenline.engine.types import FinishReason, Sampling, TrafficClass
+from tokenline.server.catalog import ServedModel
+from tokenline.server.errors import InvalidRequest, ModelNotFound
+from tokenline.server.timeline import Timeline
+from tokenline.v1 import tokenline_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_REQUEST_ID_LEN = 128
+MAX_CHAT_MESSAGES = 256
+CHAT_ROLES = ("system", "user", "assistant")
+_PRINTABLE = set(string.printable) - set("\t\n\r\x0b\x0c")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds enforced before any work."""
+
+    max_prompt_tokens: int = 32_768
+    max_tokens: int = 4096
+    max_prompt_chars: int = 1_000_000
+
+
+@dataclass
+class ValidRequest:
+    model: ServedModel
+    prompt_ids: list[int]
+    sampling: Sampling
+    cls: TrafficClass
+    request_id: str  # may be empty: the server generates one
+    deadline_unix_ms: int
+
+
+def pick_model(name: str, models: dict[str, ServedModel], default: str) -> ServedModel:
+    model = models.get(name or default)
+    if model is None:
+        known = ", ".join(sorted(models)) or "none"
+        raise ModelNotFound(f"unknown model {name!r}; this server serves: {known}")
+    return model
+
+
+def validate(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model: str, limits: Limits) -> ValidRequest:
+    model = pick_model(req.model, models, default_model)
+    request_id = _request_id(req.request_id)
+    cls = _traffic_class(req.traffic_class)
+    sampling = _sampling(req.sampling if req.HasField("sampling") else pb.SamplingParams(), limits)
+    prompt_ids = _prompt(req, model, limits)
+    room = model.max_context - len(prompt_ids)
+    if sampling.max_tokens > room:
+        raise InvalidRequest(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the context of "
+            f"{model.name} ({model.max_context} tokens); lower max_tokens to at most {max(room, 0)} or shorten the prompt"
+        )
+    return ValidRequest(model, prompt_ids, sampling, cls, request_id, req.deadline_unix_ms)
+
+
+def _request_id(rid: str) -> str:
+    if len(rid) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequest(f"request_id is {len(rid)} characters; at most {MAX_REQUEST_ID_LEN} are allowed")
+    if rid and not set(rid) <= _PRINTABLE:
+        raise InvalidRequest("request_id must be printable ASCII (no spaces control characters or non-ASCII)")
+    if rid != rid.strip():
+        raise InvalidRequest("request_id must not start or end with spaces")
+    return rid
+
+
+def _traffic_class(value: int) -> TrafficClass:
+    if value in (pb.TRAFFIC_CLASS_UNSPECIFIED, pb.INTERACTIVE):
+        return TrafficClass.INTERACTIVE
+    if value == pb.BULK:
+        return TrafficClass.BULK
+    raise InvalidRequest(f"traffic_class {value} is not one of INTERACTIVE (1) or BULK (2)")
+
+
+def _sampling(s: pb.SamplingParams, limits: Limits) -> Sampling:
+    max_tokens = s.max_tokens or DEFAULT_MAX_TOKENS
+    if max_tokens > limits.max_tokens:
+        raise InvalidRequest(f"max_tokens {max_tokens} is above this server's limit of {limits.max_tokens}")
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+        raise InvalidRequest(f"temperature must be in [0, 2], got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    top_k = s.top_k if s.HasField("top_k") else 0
+    if top_k < -1:
+        raise InvalidRequest(f"top_k must be -1, 0 (both: off) or positive, got {top_k}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(s.stop)}")
+    for stop in s.stop:
+        if not stop or len(stop) > MAX_STOP_LEN:
+            raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_LEN} characters")
+    seed = s.seed if s.HasField("seed") else None
+    if seed is not None and seed >= 2**63:
+        raise InvalidRequest("seed must be below 2**63")
+    return Sampling(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0),
+                    seed=seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+
+
+def _prompt(req: pb.GenerateRequest, model: ServedModel, limits: Limits) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("a prompt is required: set one of text, token_ids or chat")
+    if kind == "text":
+        if not req.text.strip():
+            raise InvalidRequest("the prompt text is empty")
+        if len(req.text) > limits.max_prompt_chars:
+            raise InvalidRequest(f"the prompt text has {len(req.text)} characters; at most {limits.max_prompt_chars} are allowed")
+        ids = model.encode(req.text)
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("token_ids is empty")
+        bad = next((t for t in ids if t >= model.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary of {model.name} (0..{model.vocab_size - 1})")
+    else:
+        messages = _chat(req.chat)
+        if not model.has_chat_template:
+            raise InvalidRequest(f"{model.name} has no chat template; send the prompt as text")
+        ids = model.encode_chat(messages)
+    if not ids:
+        raise InvalidRequest("the prompt has no tokens after tokenization")
+    if len(ids) > min(limits.max_prompt_tokens, model.max_context - 1):
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens; at most {min(limits.max_prompt_tokens, model.max_context - 1)} are allowed for {model.name}"
+        )
+    return ids
+
+
+def _chat(chat: pb.ChatMessages) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise InvalidRequest("chat.messages is empty; send at least one message")
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_CHAT_MESSAGES} chat messages are allowed")
+    out = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(f"chat.messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
+        out.append({"role": m.role, "content": m.content})
+    if not any(m["content"].strip() for m in out):
+        raise InvalidRequest("every chat message is empty")
+    return out
+
+
+# ------------------------------------------------------------------ responses
+
+_FINISH = {
+    FinishReason.STOP: pb.STOP,
+    FinishReason.LENGTH: pb.LENGTH,
+    FinishReason.STOP_STRING: pb.STOP_STRING,
+    FinishReason.CANCELLED: pb.CANCELLED,
+    FinishReason.DEADLINE: pb.DEADLINE,
+}
+
+
+def finish_reason(reason: FinishReason | None) -> int:
+    return _FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED) if reason is not None else pb.FINISH_REASON_UNSPECIFIED
+
+
+def timeline_pb(t: Timeline) -> pb.Timeline:
+    msg = pb.Timeline(attempts=t.attempts, preemptions=t.preemptions)
+    for name, value in t.stamps_ms().items():
+        if value is not None:
+            setattr(msg, name, value)
+    for name, value in t.splits_ms().items():
+        setattr(msg, name, value)
+    return msg

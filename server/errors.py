@@ -1,0 +1,77 @@
+"""Errors the frontend answers with, and the one place they become gRPC statuses.
+
+    ServingError                      (any refusal or failure a caller is told about)
+    ├── InvalidRequest                INVALID_ARGUMENT: fix the request
+    ├── ModelNotFound                 NOT_FOUND: unknown model
+    ├── RequestNotFound               NOT_FOUND: unknown (or another tenant's) request id
+    ├── DuplicateRequest              ALREADY_EXISTS: request id already in flight
+    ├── Overloaded                    RESOURCE_EXHAUSTED: queue or quota full; carries a retry hint
+    ├── DeadlineUnmeetable            DEADLINE_EXCEEDED: cannot finish in time / deadline passed
+    ├── Unavailable                   UNAVAILABLE: draining, no worker, attempts spent
+    └── Unauthenticated               UNAUTHENTICATED: missing or wrong credentials
+
+Messages are for the caller: they say what to change, never how the server is built.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServingError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequest(ServingError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ModelNotFound(ServingError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class RequestNotFound(ServingError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class DuplicateRequest(ServingError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Overloaded(ServingError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineUnmeetable(ServingError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(ServingError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(ServingError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+def trailing_metadata(err: ServingError) -> tuple[tuple[str, str], ...]:
+    """gRPC's retry pushback: how long the caller should wait before trying again."""
+    if err.retry_after_s is None:
+        return ()
+    return ((RETRY_PUSHBACK_KEY, str(max(int(err.retry_after_s * 1000), 1))),)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, err: ServingError) -> None:
+    """End the call with `err`'s status, message and retry hint."""
+    md = trailing_metadata(err)
+    if md:
+        context.set_trailing_metadata(md)
+    await context.abort(err.code, err.message)

@@ -1,0 +1,353 @@
+"""The frontend's engine room: drives the scheduler from asyncio and fans out tokens.
+
+One `Runtime` per server. It owns the scheduler (clocked by time.monotonic),
+the worker processes (restarted when they die), and one mailbox per request.
+Worker reader threads hand messages to the event loop; everything that touches
+the scheduler or a request runs on the loop, so nothing here needs a lock.
+Output is keyed by run (request, attempt, admission): anything from a run that
+is no longer current is dropped and counted, so a request completes once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.core import Scheduler
+from tokenline.engine.scheduler.records import Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StopRun
+from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, Shutdown, StepReport, TrafficClass, WorkerFailed, WorkerSpec, WorkItem
+from tokenline.engine.worker import WorkerHandle
+from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, Overloaded, ServingError, Unavailable
+from tokenline.server.timeline import Timeline
+
+log = logging.getLogger("tokenline.runtime")
+
+
+@dataclass
+class Chunk:
+    """Tokens for the stream: index of the first one, ids and text."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    attempt: int
+
+
+@dataclass
+class RequestState:
+    key: str  # tenant-scoped
+    request_id: str
+    tenant: str
+    model: str
+    cls: TrafficClass
+    prompt_ids: list[int]
+    sampling: Sampling
+    timeline: Timeline
+    deadline: float | None
+    attempt: int = 1
+    run_key: str | None = None
+    worker_id: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: ServingError | None = None
+    done: bool = False
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    fault_marker: bool = False
+
+    def emit(self, item: object) -> None:
+        self.events.put_nowait(item)
+
+
+_END = object()  # sentinel in a request's mailbox: finished (or failed, see .error)
+
+
+@dataclass
+class RuntimeStats:
+    stale_outputs: int = 0
+    worker_restarts: int = 0
+    completed: int = 0
+
+
+class Runtime:
+    def __init__(self, scheduler_config: SchedulerConfig, workers: dict[str, tuple[WorkerConfig, int]],
+                 *, restart_workers: bool = True):
+        self.loop = asyncio.get_running_loop()
+        self.scheduler = Scheduler(scheduler_config, time.monotonic)
+        self.worker_configs = workers
+        self.requests: dict[str, RequestState] = {}
+        self.by_run: dict[str, RequestState] = {}
+        self.handles: dict[int, WorkerHandle] = {}
+        self.specs: dict[int, WorkerSpec] = {}
+        self.stats = RuntimeStats()
+        self.restart_workers = restart_workers
+        self.on_step: list[Callable[[StepReport], None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._last_timer_run: float | None = None
+        self._next_worker_id = 0
+        self._worker_model: dict[int, str] = {}
+        self._ready: dict[str, asyncio.Event] = {name: asyncio.Event() for name in workers}
+        self._closing = False
+        self.start_errors: dict[str, str] = {}
+
+    # -------------------------------------------------------------- workers
+
+    def start(self) -> None:
+        for model, (cfg, count) in self.worker_configs.items():
+            for _ in range(count):
+                self._spawn(model, cfg)
+
+    def _spawn(self, model: str, cfg: WorkerConfig) -> None:
+        wid = self._next_worker_id
+        self._next_worker_id += 1
+        self._worker_model[wid] = model
+        handle = WorkerHandle(
+            wid, cfg,
+            on_message=lambda w, m: self.loop.call_soon_threadsafe(self._on_worker_message, w, m),
+            on_exit=lambda w, code: self.loop.call_soon_threadsafe(self._on_worker_exit, w, code),
+        )
+        self.handles[wid] = handle
+        handle.start()
+
+    async def wait_ready(self, model: str, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._ready[model].wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def model_loaded(self, model: str) -> bool:
+        return any(s.model == model for s in self.specs.values())
+
+    def _on_worker_message(self, wid: int, msg: object) -> None:
+        if isinstance(msg, StepReport):
+            self._on_step(msg)
+        elif isinstance(msg, WorkerSpec):
+            self.specs[wid] = msg
+            self._ready[msg.model].set()
+            log.info("worker %d ready: model %s, %d KV blocks of %d, %d seqs", wid, msg.model, msg.kv_blocks_total, msg.block_size, msg.max_seqs)
+            self._handle(self.scheduler.add_worker(msg))
+        elif isinstance(msg, WorkerFailed):
+            model = self._worker_model.get(wid, "?")
+            self.start_errors[model] = msg.message
+            log.error("worker %d failed to start: %s", wid, msg.message)
+
+    def _on_worker_exit(self, wid: int, exitcode: int | None) -> None:
+        handle = self.handles.pop(wid, None)
+        self.specs.pop(wid, None)
+        model = self._worker_model.pop(wid, None)
+        if handle is None or self._closing:
+            return
+        log.warning("worker %d (model %s) exited with code %s", wid, model, exitcode)
+        self._handle(self.scheduler.worker_lost(wid))
+        if model is not None and not any(s.model == model for s in self.specs.values()):
+            self._ready[model].clear()
+        if self.restart_workers and model is not None and model not in self.start_errors:
+            self.stats.worker_restarts += 1
+            self._spawn(model, self.worker_configs[model][0])
+
+    def kill_worker(self, wid: int) -> None:
+        self.handles[wid].kill()
+
+    # ------------------------------------------------------------- requests
+
+    def submit(self, state: RequestState) -> None:
+        """Queue a validated request; raises a ServingError when it is refused at once."""
+        if self._closing:
+            raise Unavailable("the server is shutting down; retry on another instance")
+        if state.key in self.requests:
+            raise DuplicateRequest(f"request id {state.request_id!r} is already in flight; use a new id")
+        now = time.monotonic()
+        state.timeline.enqueued = now
+        entry = Entry(key=state.key, model=state.model, tenant=state.tenant, cls=state.cls,
+                      prompt_tokens=len(state.prompt_ids), max_tokens=state.sampling.max_tokens,
+                      arrival=now, deadline=state.deadline)
+        self.requests[state.key] = state
+        self._handle(self.scheduler.submit(entry))
+        if state.error is not None:
+            self.requests.pop(state.key, None)
+            raise state.error
+
+    def cancel(self, key: str) -> bool:
+        state = self.requests.get(key)
+        if state is None or state.done:
+            return False
+        self._handle(self.scheduler.cancel(key))
+        self._finish(state, FinishReason.CANCELLED)
+        return True
+
+    async def events(self, state: RequestState):
+        """Chunks as they come (coalesced when the reader falls behind), then the end."""
+        while True:
+            item = await state.events.get()
+            if item is _END:
+                if state.error is not None:
+                    raise state.error
+                return
+            chunk: Chunk = item
+            while not state.events.empty():
+                nxt = state.events.get_nowait()
+                if nxt is _END or nxt.attempt != chunk.attempt:
+                    state.events._queue.appendleft(nxt)  # type: ignore[attr-defined]
+                    break
+                chunk.token_ids.extend(nxt.token_ids)
+                chunk.text += nxt.text
+            yield chunk
+
+    # ------------------------------------------------------------ internals
+
+    def _on_step(self, report: StepReport) -> None:
+        now = time.monotonic()
+        for key in report.first_scheduled:
+            st = self.by_run.get(key)
+            if st is not None and st.timeline.first_scheduled is None:
+                st.timeline.first_scheduled = now
+        for out in report.outputs:
+            st = self.by_run.get(out.key)
+            if st is None or st.done or st.run_key != out.key:
+                self.stats.stale_outputs += 1
+                continue
+            if out.new_token_ids:
+                st.timeline.on_tokens(now, len(out.new_token_ids))
+                index = len(st.token_ids)
+                st.token_ids.extend(out.new_token_ids)
+                st.text.append(out.text)
+                st.emit(Chunk(index, list(out.new_token_ids), out.text, st.attempt))
+            if out.finished:
+                self._finish(st, out.finish_reason or FinishReason.STOP)
+        for hook in self.on_step:
+            hook(report)
+        self._handle(self.scheduler.on_step(report))
+
+    def _finish(self, st: RequestState, reason: FinishReason | None, error: ServingError | None = None) -> None:
+        if st.done:
+            return
+        st.done = True
+        st.finish_reason = reason
+        st.error = error
+        st.timeline.finished = time.monotonic()
+        if st.run_key is not None:
+            self.by_run.pop(st.run_key, None)
+        self.requests.pop(st.key, None)
+        self.stats.completed += 1
+        st.emit(_END)
+
+    def _handle(self, actions: list) -> None:
+        now = time.monotonic()
+        for a in actions:
+            if isinstance(a, Dispatch):
+                self._dispatch(a, now)
+            elif isinstance(a, Refuse):
+                st = self.requests.get(a.key)
+                if st is not None:
+                    st.error = _refusal_error(a)
+                    st.done = True
+            elif isinstance(a, Expire):
+                if a.worker_id is not None:
+                    self._send(a.worker_id, Abort((a.run_key,)))
+                st = self.requests.get(a.key)
+                if st is not None:
+                    self._finish(st, FinishReason.DEADLINE, DeadlineUnmeetable("the request's deadline passed before it finished"))
+            elif isinstance(a, StopRun):
+                self._send(a.worker_id, Abort((a.run_key,)))
+                st = self.requests.get(a.key)
+                if st is not None and a.preempted:
+                    st.timeline.preemptions += 1
+                    self.by_run.pop(a.run_key, None)
+            elif isinstance(a, Retry):
+                st = self.requests.get(a.key)
+                if st is not None:
+                    if st.run_key is not None:
+                        self.by_run.pop(st.run_key, None)
+                    st.attempt = a.attempt
+                    st.timeline.attempts = a.attempt
+            elif isinstance(a, Fail):
+                st = self.requests.get(a.key)
+                if st is not None:
+                    self._finish(st, None, Unavailable(a.message))
+        self._arm_timer()
+
+    def _dispatch(self, d: Dispatch, now: float) -> None:
+        items = []
+        for adm in d.admissions:
+            st = self.requests[adm.key]
+            if st.timeline.admitted is None:
+                st.timeline.admitted = now
+            st.timeline.admission_wait_s += adm.admission_wait_s
+            st.timeline.queueing_s += adm.queueing_s
+            if st.run_key is not None:
+                self.by_run.pop(st.run_key, None)
+            st.run_key, st.worker_id = adm.run_key, d.worker_id
+            self.by_run[adm.run_key] = st
+            # A continuation re-reads what was already produced and owes only the rest.
+            sampling = replace(st.sampling, max_tokens=st.sampling.max_tokens - len(st.token_ids)) if st.token_ids else st.sampling
+            prompt = tuple(st.prompt_ids) + tuple(st.token_ids)
+            items.append(WorkItem(adm.run_key, prompt, sampling, priority=0 if st.cls == TrafficClass.INTERACTIVE else 1, fault_marker=st.fault_marker))
+        self._send(d.worker_id, Admit(d.seq, tuple(items)))
+
+    def _send(self, wid: int | None, msg: object) -> None:
+        handle = self.handles.get(wid) if wid is not None else None
+        if handle is None:
+            return
+        try:
+            handle.send(msg)
+        except (BrokenPipeError, OSError, EOFError):
+            pass  # its exit is being reported; the scheduler will requeue its runs
+
+    def _arm_timer(self) -> None:
+        wake = self.scheduler.next_wakeup()
+        if wake is None:
+            return
+        now = time.monotonic()
+        if wake <= now:
+            if self._last_timer_run is not None and self._last_timer_run >= wake:
+                return  # already acted on it; a capacity change will dispatch the rest
+            wake = now
+        if self._timer is not None and self._timer_at is not None and self._timer_at <= wake:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = wake
+        self._timer = self.loop.call_at(self.loop.time() + (wake - now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self._last_timer_run = time.monotonic()
+        self._handle(self.scheduler.on_timer())
+
+    # ------------------------------------------------------------- shutdown
+
+    def idle(self) -> bool:
+        return not self.requests
+
+    async def close(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        for st in list(self.requests.values()):
+            self._finish(st, None, Unavailable("the server shut down before the request finished"))
+        for h in list(self.handles.values()):
+            try:
+                h.send(Shutdown())
+            except (BrokenPipeError, OSError, EOFError):
+                pass
+        await asyncio.gather(*(asyncio.to_thread(h.terminate, timeout) for h in list(self.handles.values())))
+        self.handles.clear()
+
+
+def _refusal_error(a: Refuse) -> ServingError:
+    if a.reason in (Refusal.QUEUE_FULL, Refusal.TENANT_LIMIT):
+        return Overloaded(a.message, retry_after_s=a.retry_after_s)
+    if a.reason == Refusal.DEADLINE:
+        return DeadlineUnmeetable(a.message)
+    if a.reason == Refusal.DUPLICATE:
+        return DuplicateRequest(a.message)
+    if a.reason == Refusal.TOO_LARGE:
+        from tokenline.server.errors import InvalidRequest
+
+        return InvalidRequest(a.message)
+    return Unavailable(a.message, retry_after_s=a.retry_after_s)

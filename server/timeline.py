@@ -1,0 +1,79 @@
+"""One request's timeline on the frontend's monotonic clock, and its splits.
+
+Stamps are `time.monotonic()` seconds of this process; worker stamps are
+converted when they arrive (never compared across processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Timeline:
+    received: float
+    validated: float | None = None
+    enqueued: float | None = None
+    admitted: float | None = None  # first admission to a worker
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    last_byte: float | None = None
+    admission_wait_s: float = 0.0
+    queueing_s: float = 0.0
+    attempts: int = 1
+    preemptions: int = 0
+    tokens: int = 0
+    gap_sum_s: float = 0.0  # sum of gaps between consecutive tokens
+    gap_count: int = 0
+    gaps: list[float] = field(default_factory=list)  # per gap; bounded by max_tokens
+
+    def on_tokens(self, now: float, count: int) -> None:
+        """`count` tokens arrived at `now` (several in one report count as several gaps)."""
+        if count <= 0:
+            return
+        if self.first_token is None:
+            self.first_token = now
+            count -= 1
+            self.tokens += 1
+            self.last_token = now
+        if count > 0:
+            gap = (now - self.last_token) / count
+            self.gaps.extend([gap] * count)
+            self.gap_sum_s += now - self.last_token
+            self.gap_count += count
+            self.tokens += count
+            self.last_token = now
+
+    def splits_ms(self) -> dict[str, float]:
+        """The bill, in milliseconds: waits, model time, return, and the totals."""
+        def span(a: float | None, b: float | None) -> float:
+            return max((b - a) * 1000.0, 0.0) if a is not None and b is not None else 0.0
+
+        end = self.last_byte if self.last_byte is not None else self.finished
+        return {
+            "admission_wait_ms": self.admission_wait_s * 1000.0,
+            "queueing_ms": self.queueing_s * 1000.0,
+            "prefill_ms": span(self.admitted, self.first_token),
+            "decode_ms": span(self.first_token, self.last_token),
+            "return_ms": span(self.finished, self.last_byte),
+            "ttft_ms": span(self.received, self.first_token),
+            "itl_mean_ms": (self.gap_sum_s / self.gap_count * 1000.0) if self.gap_count else 0.0,
+            "completion_ms": span(self.received, end),
+        }
+
+    def stamps_ms(self) -> dict[str, float | None]:
+        def rel(t: float | None) -> float | None:
+            return None if t is None else (t - self.received) * 1000.0
+
+        return {
+            "received_ms": 0.0,
+            "validated_ms": rel(self.validated),
+            "enqueued_ms": rel(self.enqueued),
+            "admitted_ms": rel(self.admitted),
+            "first_scheduled_ms": rel(self.first_scheduled),
+            "first_token_ms": rel(self.first_token),
+            "finished_ms": rel(self.finished),
+            "last_byte_ms": rel(self.last_byte),
+        }

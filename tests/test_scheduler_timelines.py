@@ -1,0 +1,53 @@
+"""The reference timelines, exactly, in virtual time.
+
+A fixed-cost batch model: every batch takes 100 ms whatever its size, at most
+4 requests a batch, one worker, admission window 10 ms, worker idle at 0.
+"""
+
+import pytest
+
+from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
+from tokenline.engine.simulation import SimRequest, Simulation, fixed_cost, worker_spec
+
+MS = 0.001
+
+
+def simulation() -> Simulation:
+    window = ClassConfig(admission_window_s=10 * MS)
+    config = SchedulerConfig(interactive=window, bulk=window, step_time_prior_s=100 * MS, bulk_floor=0.0)
+    return Simulation(config, [(worker_spec(0, max_seqs=4, continuous=False), fixed_cost(100 * MS))])
+
+
+def test_two_requests_within_the_window_depart_together_when_the_oldest_window_ends():
+    out = simulation().run([SimRequest("A", 0 * MS), SimRequest("B", 7 * MS)])
+    assert out["A"].departed == pytest.approx(10 * MS)
+    assert out["B"].departed == pytest.approx(10 * MS)
+    assert out["A"].completed == pytest.approx(110 * MS)
+    assert out["B"].completed == pytest.approx(110 * MS)
+    assert out["A"].end_to_end == pytest.approx(110 * MS)
+    assert out["B"].end_to_end == pytest.approx(103 * MS)
+
+
+def test_a_full_batch_departs_at_once():
+    out = simulation().run([SimRequest(k, 0.0) for k in "ABCD"])
+    for k in "ABCD":
+        assert out[k].departed == pytest.approx(0.0)
+        assert out[k].completed == pytest.approx(100 * MS)
+
+
+def test_a_request_that_waited_past_its_window_departs_as_soon_as_capacity_returns():
+    out = simulation().run([SimRequest("A", 0.0), SimRequest("B", 0.0), SimRequest("C", 0.0), SimRequest("D", 0.0), SimRequest("E", 1 * MS)])
+    assert out["A"].departed == pytest.approx(0.0)
+    assert out["E"].departed == pytest.approx(100 * MS)  # not 110: no timer restarts
+    assert out["E"].completed == pytest.approx(200 * MS)
+    # E waited for capacity, not for batching.
+    assert out["E"].queueing_s == pytest.approx(99 * MS)
+    assert out["E"].admission_wait_s == pytest.approx(0.0)
+
+
+def test_a_request_whose_deadline_cannot_be_met_is_refused_at_arrival():
+    out = simulation().run([*(SimRequest(k, 0.0) for k in "ABCD"), SimRequest("E", 1 * MS, deadline=150 * MS)])
+    assert out["E"].status == "refused"
+    assert out["E"].completed == pytest.approx(1 * MS)  # at arrival, not after waiting
+    assert out["E"].departed is None
+    assert "deadline" in out["E"].message
