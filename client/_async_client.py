@@ -1,0 +1,212 @@
+"""The asyncio client: the same calls as `Client`, on a grpc.aio channel.
+
+    async with AsyncClient("127.0.0.1:50051") as client:
+        async for delta in client.generate("Hello", max_tokens=16):
+            print(delta.text, end="", flush=True)
+
+Create it inside a running event loop (grpc.aio binds the channel to it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenline.v1 import tokenline_pb2 as pb
+from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
+
+from ._channel import DEFAULT_TARGET, auth_metadata, channel_credentials, channel_options
+from ._client import prepare_call
+from ._convert import Message, completion_from_response, delta_from_chunk, model_from_proto
+from ._types import Completion, Delta, ModelInfo
+from .errors import NotFound, error_from_rpc
+
+
+class AsyncDeltaStream(AsyncIterator[Delta]):
+    """The chunks of one Generate call, as Deltas, in order (see `DeltaStream`).
+
+    `cancel()` (or leaving an `async with` block early) stops the call and the
+    stream ends without an error.
+    """
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, sent_at: float) -> None:
+        self._call = call
+        self._cancelled = False
+        self.sent_at = sent_at
+
+    def __aiter__(self) -> AsyncDeltaStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        try:
+            chunk = await self._call.read()
+        except asyncio.CancelledError:
+            # grpc.aio reports a call we cancelled ourselves as CancelledError; a
+            # cancelled task must still see its CancelledError.
+            if self._cancelled:
+                raise StopAsyncIteration from None
+            raise
+        except grpc.RpcError as error:
+            if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
+                raise StopAsyncIteration from None
+            raise error_from_rpc(error) from error
+        if chunk is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return delta_from_chunk(chunk, time.monotonic())
+
+    def cancel(self) -> None:
+        """Stop the call: the server sees the stream closed and frees the request."""
+        self._cancelled = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncDeltaStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self._call.done():
+            self.cancel()
+
+
+class AsyncClient:
+    """An asyncio client for one tokenline server. Arguments as for `Client`."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        if channel is None:
+            credentials = channel_credentials(
+                tls, root_certificates, private_key, certificate_chain
+            )
+            if credentials is None:
+                channel = grpc.aio.insecure_channel(target, options=channel_options(options))
+            else:
+                channel = grpc.aio.secure_channel(
+                    target, credentials, options=channel_options(options)
+                )
+        self.target = target
+        self._channel = channel
+        self._stub = pb_grpc.TokenlineStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self._metadata = auth_metadata(api_key)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        token_ids: Sequence[int] | None = None,
+        model: str = "",
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Iterable[str] = (),
+        ignore_eos: bool = False,
+        traffic_class: str = "interactive",
+        request_id: str = "",
+        deadline_s: float | None = None,
+        timeout: float | None = None,
+    ) -> AsyncDeltaStream:
+        """Start generating; iterate the result with `async for`. Arguments as for `Client.generate`."""
+        request, grpc_timeout = prepare_call(
+            prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
+            model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            traffic_class=traffic_class, request_id=request_id,
+        )  # fmt: skip
+        sent_at = time.monotonic()
+        call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
+        return AsyncDeltaStream(call, sent_at)
+
+    async def complete(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        token_ids: Sequence[int] | None = None,
+        model: str = "",
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Iterable[str] = (),
+        ignore_eos: bool = False,
+        traffic_class: str = "interactive",
+        request_id: str = "",
+        deadline_s: float | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Generate and return the whole result at once. Arguments as for `Client.generate`."""
+        request, grpc_timeout = prepare_call(
+            prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
+            model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            traffic_class=traffic_class, request_id=request_id,
+        )  # fmt: skip
+        try:
+            response = await self._stub.Complete(
+                request, timeout=grpc_timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return completion_from_response(response)
+
+    async def cancel(self, request_id: str, *, timeout: float | None = None) -> bool:
+        """Stop a queued or running request. False if it was unknown or already finished."""
+        try:
+            response = await self._stub.Cancel(
+                pb.CancelRequest(request_id=request_id), timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            mapped = error_from_rpc(error)
+            if isinstance(mapped, NotFound):
+                return False
+            raise mapped from error
+        return response.cancelled
+
+    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """The served models. Waits for the server to become reachable (up to `timeout`)."""
+        try:
+            response = await self._stub.ListModels(
+                pb.ListModelsRequest(), timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return [model_from_proto(m) for m in response.models]
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The grpc.health.v1 status: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN"."""
+        try:
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel; calls still in flight after `grace` seconds are cancelled."""
+        await self._channel.close(grace)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,244 @@
+"""The blocking client: one gRPC channel to a tokenline server, calls that return dataclasses.
+
+    with Client("127.0.0.1:50051") as client:
+        for delta in client.generate("Hello", max_tokens=16):
+            print(delta.text, end="", flush=True)
+
+Every failure raises a `tokenline.client.errors.TokenlineError` subclass.
+Retries on UNAVAILABLE are gRPC's own, declared in the channel's service config
+(see `_channel`); a streaming call is retried only until its first chunk arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenline.v1 import tokenline_pb2 as pb
+from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
+
+from ._channel import DEFAULT_TARGET, auth_metadata, channel_credentials, channel_options
+from ._convert import (
+    Message,
+    build_request,
+    call_deadline,
+    completion_from_response,
+    delta_from_chunk,
+    model_from_proto,
+)
+from ._types import Completion, Delta, ModelInfo
+from .errors import NotFound, error_from_rpc
+
+
+def prepare_call(
+    prompt: str | None,
+    messages: Sequence[Message] | None,
+    token_ids: Sequence[int] | None,
+    *,
+    deadline_s: float | None,
+    timeout: float | None,
+    **fields: Any,
+) -> tuple[pb.GenerateRequest, float | None]:
+    """(request, gRPC timeout) for one Generate or Complete call, with the deadline stamped now."""
+    grpc_timeout, deadline_unix_ms = call_deadline(deadline_s, timeout, time.time())
+    request = build_request(
+        prompt, messages=messages, token_ids=token_ids, deadline_unix_ms=deadline_unix_ms, **fields
+    )
+    return request, grpc_timeout
+
+
+class DeltaStream(Iterator[Delta]):
+    """The chunks of one Generate call, as Deltas, in order.
+
+    The call is already on its way when you get this object; `sent_at` is the
+    `time.monotonic()` at which it was started (for time to first token).
+    `cancel()` (or leaving a `with` block early) stops the call; the stream then
+    ends without an error. Any other failure raises a TokenlineError.
+    """
+
+    def __init__(self, call: Any, sent_at: float) -> None:
+        self._call = call
+        self._cancelled = False
+        self.sent_at = sent_at
+
+    def __iter__(self) -> DeltaStream:
+        return self
+
+    def __next__(self) -> Delta:
+        try:
+            chunk = next(self._call)
+        except grpc.RpcError as error:
+            if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise error_from_rpc(error) from error
+        return delta_from_chunk(chunk, time.monotonic())
+
+    def cancel(self) -> None:
+        """Stop the call: the server sees the stream closed and frees the request."""
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> DeltaStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._call.is_active():
+            self.cancel()
+
+
+class Client:
+    """A blocking client for one tokenline server.
+
+    `target` is "host:port". `api_key` is sent as `authorization: Bearer <key>`.
+    TLS is on when `tls` is true or any certificate is given (PEM bytes);
+    `private_key` with `certificate_chain` is a client certificate for mutual TLS.
+    `options` are extra gRPC channel options (they override ours by name).
+    `channel` uses an existing channel instead (our service config then does
+    not apply unless it was built with `channel_options()`); close() closes it.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        if channel is None:
+            credentials = channel_credentials(
+                tls, root_certificates, private_key, certificate_chain
+            )
+            if credentials is None:
+                channel = grpc.insecure_channel(target, options=channel_options(options))
+            else:
+                channel = grpc.secure_channel(target, credentials, options=channel_options(options))
+        self.target = target
+        self._channel = channel
+        self._stub = pb_grpc.TokenlineStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self._metadata = auth_metadata(api_key)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        token_ids: Sequence[int] | None = None,
+        model: str = "",
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Iterable[str] = (),
+        ignore_eos: bool = False,
+        traffic_class: str = "interactive",
+        request_id: str = "",
+        deadline_s: float | None = None,
+        timeout: float | None = None,
+    ) -> DeltaStream:
+        """Start generating and stream the result as Deltas; the last one has the finish reason,
+        usage and server timeline.
+
+        Give exactly one of `prompt` (plain text), `messages` (chat: {"role", "content"}
+        dicts or (role, content) pairs) or `token_ids`. `deadline_s` (seconds from now)
+        bounds the call and tells the server the deadline; `timeout` bounds the call only.
+        Raises ValueError for arguments no server would accept.
+        """
+        request, grpc_timeout = prepare_call(
+            prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
+            model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            traffic_class=traffic_class, request_id=request_id,
+        )  # fmt: skip
+        sent_at = time.monotonic()
+        call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
+        return DeltaStream(call, sent_at)
+
+    def complete(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        token_ids: Sequence[int] | None = None,
+        model: str = "",
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Iterable[str] = (),
+        ignore_eos: bool = False,
+        traffic_class: str = "interactive",
+        request_id: str = "",
+        deadline_s: float | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Generate and return the whole result at once. Arguments as for `generate`."""
+        request, grpc_timeout = prepare_call(
+            prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
+            model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            traffic_class=traffic_class, request_id=request_id,
+        )  # fmt: skip
+        try:
+            response = self._stub.Complete(request, timeout=grpc_timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return completion_from_response(response)
+
+    def cancel(self, request_id: str, *, timeout: float | None = None) -> bool:
+        """Stop a queued or running request. False if it was unknown or already finished."""
+        try:
+            response = self._stub.Cancel(
+                pb.CancelRequest(request_id=request_id), timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            mapped = error_from_rpc(error)
+            if isinstance(mapped, NotFound):
+                return False
+            raise mapped from error
+        return response.cancelled
+
+    def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """The served models. Waits for the server to become reachable (up to `timeout`)."""
+        try:
+            response = self._stub.ListModels(
+                pb.ListModelsRequest(), timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return [model_from_proto(m) for m in response.models]
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The grpc.health.v1 status: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN".
+
+        `service` "" asks about the server as a whole.
+        """
+        try:
+            response = self._health.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""The plain results the client hands back: stream deltas, completions, timelines.
+
+Frozen dataclasses with no gRPC in them, so callers (and `bench`) can keep,
+compare and serialize them with `dataclasses.asdict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class ServerTimeline:
+    """Where one request's time went on the server, in milliseconds.
+
+    Stamps count from when the server received the call (`received_ms` is 0);
+    a stamp that did not happen (no token yet, not finished) is None.
+    """
+
+    received_ms: float
+    validated_ms: float
+    enqueued_ms: float
+    admitted_ms: float
+    first_scheduled_ms: float | None
+    first_token_ms: float | None
+    finished_ms: float | None
+    last_byte_ms: float | None
+    # Splits: waiting to be batched, waiting for capacity, model time, return.
+    admission_wait_ms: float
+    queueing_ms: float
+    prefill_ms: float
+    decode_ms: float
+    return_ms: float
+    ttft_ms: float
+    itl_mean_ms: float
+    completion_ms: float
+    attempts: int
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed chunk: the tokens and text that are new since the last one.
+
+    `received_at` is the client's `time.monotonic()` when the chunk arrived.
+    `finish_reason`, `usage` and `timeline` are set on the last chunk only.
+    """
+
+    request_id: str
+    attempt: int
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    received_at: float
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timeline: ServerTimeline | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The whole result of one request."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    usage: Usage | None
+    timeline: ServerTimeline | None
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One model the server serves."""
+
+    name: str
+    version: str
+    max_context: int
+    loaded: bool
+    workers: int
