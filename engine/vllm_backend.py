@@ -1,0 +1,300 @@
+"""The vLLM engine, in-process, behind the Backend interface. The only module that imports vllm.
+
+The engine core runs in the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+so that the step loop owns it and can read its scheduler. Prompts arrive as
+token ids (the frontend tokenizes); outputs come back as deltas: each step
+yields only the new tokens and the new text of every sequence that moved.
+
+What the public API does not tell a step loop (free KV blocks, queue lengths,
+what was scheduled in the step) is read from vLLM 0.32 internals, all of it in
+`_SchedulerView` below, which degrades to estimates when those change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepReport, WorkerSpec, WorkItem
+
+log = logging.getLogger(__name__)
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm reads its settings
+
+import torch  # noqa: E402
+from vllm import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+
+
+class VllmBackend:
+    def __init__(self, config: WorkerConfig, worker_id: int):
+        self.config = config
+        self.worker_id = worker_id
+        self.engine = _build_engine(config)
+        self.view = _SchedulerView(self.engine)
+        self._internal_id: dict[str, str] = {}  # key -> vLLM's request id (key + random suffix)
+        self._key_of: dict[str, str] = {}  # the reverse
+        self._seen_scheduled: set[str] = set()
+        self._aborted: list[str] = []  # applied since the last report
+        self._rejected: dict[str, str] = {}
+
+    def spec(self) -> WorkerSpec:
+        engine, config = self.engine, self.config
+        tokenizer = engine.get_tokenizer()
+        return WorkerSpec(
+            worker_id=self.worker_id,
+            model=config.model_name,
+            model_version=config.model_version or _model_version(config.model_path),
+            kv_blocks_total=self.view.kv_blocks_total,
+            block_size=engine.vllm_config.cache_config.block_size,
+            max_seqs=engine.vllm_config.scheduler_config.max_num_seqs,
+            max_model_len=engine.model_config.max_model_len,
+            prefill_token_budget=engine.vllm_config.scheduler_config.max_num_batched_tokens,
+            vocab_size=engine.model_config.get_vocab_size(),
+            eos_token_id=tokenizer.eos_token_id,
+            pid=os.getpid(),
+            continuous=True,
+        )
+
+    def add(self, item: WorkItem) -> None:
+        try:
+            internal = self.engine.add_request(
+                item.key,
+                {"prompt_token_ids": list(item.prompt_token_ids)},
+                sampling_params(item.sampling),
+                priority=item.priority,
+            )
+        except Exception as e:  # one bad item must not take the replica down with it
+            self._rejected[item.key] = _first_line(e)
+            return
+        self._internal_id[item.key] = internal
+        self._key_of[internal] = item.key
+
+    def abort(self, keys: tuple[str, ...]) -> None:
+        live = [k for k in keys if k in self._internal_id]
+        if not live:
+            return
+        self.engine.abort_request(live)  # frees the KV blocks at once
+        for key in live:
+            self._forget(key)
+        self._aborted.extend(live)
+
+    def has_work(self) -> bool:
+        return bool(self._internal_id or self._aborted or self._rejected)
+
+    def step(self) -> StepReport:
+        self.view.start_step()
+        t0 = time.perf_counter()
+        request_outputs = self.engine.step() if self._internal_id else []
+        step_s = time.perf_counter() - t0
+        scheduled = self.view.scheduled
+
+        outputs = []
+        for ro in request_outputs:
+            out = self._seq_output(ro)
+            if out is not None:
+                outputs.append(out)
+        if scheduled is not None:
+            batch_size, prefill_tokens = scheduled.batch_size, scheduled.prefill_tokens
+            newly = [self._key_of.get(i) or _external_id(i) for i in scheduled.new_request_ids]
+        else:  # internals unreadable: what the outputs show
+            batch_size, prefill_tokens = len(request_outputs), 0
+            newly = [o.key for o in outputs]
+        first_scheduled = [k for k in newly if k not in self._seen_scheduled]
+        self._seen_scheduled.update(first_scheduled)
+        for out in outputs:
+            if out.finished:
+                self._forget(out.key)
+
+        kv_free, running, waiting = self.view.counts()
+        report = StepReport(
+            worker_id=self.worker_id,
+            applied_seq=0,
+            step_s=step_s,
+            batch_size=batch_size,
+            prefill_tokens=prefill_tokens,
+            kv_blocks_free=kv_free,
+            running=running,
+            waiting=waiting,
+            outputs=outputs,
+            first_scheduled=first_scheduled,
+            aborted=self._aborted,
+            rejected=self._rejected,
+        )
+        self._aborted, self._rejected = [], {}
+        return report
+
+    def _seq_output(self, ro: Any) -> SeqOutput | None:
+        key = ro.request_id  # vLLM hands back the id it was given
+        completion = ro.outputs[0] if ro.outputs else None
+        reason = completion.finish_reason if completion is not None else None
+        if reason == "abort":  # an abort from inside the engine: tell the frontend the item is gone
+            if key in self._internal_id:
+                self._forget(key)
+                self._aborted.append(key)
+            return None
+        if reason == "error":
+            self._forget(key)
+            self._rejected[key] = "the engine failed on this request"
+            return None
+        if completion is None or (not completion.token_ids and not ro.finished):
+            return None
+        return SeqOutput(
+            key=key,
+            new_token_ids=list(completion.token_ids),
+            text=completion.text,
+            finished=ro.finished,
+            finish_reason=finish_reason(reason, completion.stop_reason) if ro.finished else None,
+            prompt_tokens=len(ro.prompt_token_ids or ()),
+        )
+
+    def _forget(self, key: str) -> None:
+        internal = self._internal_id.pop(key, None)
+        self._key_of.pop(internal, None)
+        self._seen_scheduled.discard(key)
+
+
+def sampling_params(s: Sampling) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else 0,  # 0: no top-k
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def finish_reason(reason: str | None, stop_reason: int | str | None) -> FinishReason:
+    """vLLM's finish reason as ours: "stop" means a stop string when stop_reason is one."""
+    if reason == "length":
+        return FinishReason.LENGTH
+    if reason == "stop" and isinstance(stop_reason, str):
+        return FinishReason.STOP_STRING
+    return FinishReason.STOP  # eos, a stop token id, or a repetition stop
+
+
+def _build_engine(config: WorkerConfig) -> LLMEngine:
+    # Linux must grant AMX before the CPU attention kernel first uses it, or the
+    # process dies with SIGILL on a short prompt (eager mode skips the warm-up that would).
+    if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
+        torch.cpu._init_amx()
+    args = EngineArgs(
+        model=config.model_path,
+        served_model_name=config.model_name,
+        dtype=config.dtype,
+        enforce_eager=True,  # start-up in seconds, not a minute; same speed at these sizes
+        kv_cache_memory_bytes=config.kv_cache_bytes,
+        block_size=config.block_size,
+        max_num_seqs=config.max_seqs,
+        max_model_len=min(config.max_model_len, _model_context_len(config.model_path)),
+        max_num_batched_tokens=config.prefill_token_budget,
+        scheduling_policy="priority",
+        disable_log_stats=True,
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+def _model_context_len(model_path: str) -> int:
+    """The model's own context length from config.json (max_model_len may not exceed it)."""
+    try:
+        hf = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {model_path}/config.json ({e}); model_path must be a Hugging Face model folder") from e
+    hf = hf.get("text_config", hf)
+    return int(hf.get("max_position_embeddings") or hf.get("max_sequence_length") or 1 << 30)
+
+
+def _model_version(model_path: str) -> str:
+    from tokenline.engine.models import model_version
+
+    return model_version(Path(model_path))
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _external_id(internal: str) -> str:
+    return internal.rsplit("-", 1)[0]  # vLLM appends "-<8 random chars>"
+
+
+@dataclass
+class _Scheduled:
+    """What vLLM's scheduler put into one step."""
+
+    batch_size: int
+    prefill_tokens: int
+    new_request_ids: list[str] = field(default_factory=list)
+
+
+class _SchedulerView:
+    """The one place that reads vLLM internals (0.32 in-process mode).
+
+    It records each SchedulerOutput by wrapping `scheduler.schedule`, and reads
+    free blocks and queue lengths from the scheduler. Without those internals
+    it falls back to what the public API gives, and says so once in the log.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.scheduled: _Scheduled | None = None
+        self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks - 1  # block 0 is never handed out
+        try:
+            self.scheduler = engine.engine_core.engine_core.scheduler
+            self.block_pool = self.scheduler.kv_cache_manager.block_pool
+            self._wrap_schedule()
+        except AttributeError:
+            log.warning("vLLM scheduler internals not found: reporting free KV blocks and batch shape as estimates")
+            self.scheduler = None
+
+    def start_step(self) -> None:
+        self.scheduled = None
+
+    def counts(self) -> tuple[int, int, int]:
+        """(free KV blocks, running sequences, waiting sequences)."""
+        if self.scheduler is None:
+            return self.kv_blocks_total, self.engine.get_num_unfinished_requests(), 0
+        running, waiting = self.scheduler.get_request_counts()
+        return self.block_pool.get_num_free_blocks(), running, waiting
+
+    def _wrap_schedule(self) -> None:
+        scheduler = self.scheduler
+        schedule = scheduler.schedule
+
+        def recording_schedule(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            try:
+                self.scheduled = _summarise(scheduler, out)
+            except Exception:  # never let bookkeeping break a step
+                log.exception("could not read the scheduler's output")
+            return out
+
+        scheduler.schedule = recording_schedule
+
+
+def _summarise(scheduler: Any, out: Any) -> _Scheduled:
+    prefill = 0
+    for req_id, n in out.num_scheduled_tokens.items():
+        req = scheduler.requests.get(req_id)
+        if req is None:
+            continue
+        before = req.num_computed_tokens - n  # schedule() has already advanced it
+        # Decoding computes only the newest token; anything before it is prefill
+        # (a prompt chunk, or recomputation after preemption).
+        if before < max(req.num_prompt_tokens, req.num_tokens - 1):
+            prefill += n
+    return _Scheduled(
+        batch_size=len(out.num_scheduled_tokens),
+        prefill_tokens=prefill,
+        new_request_ids=[r.req_id for r in out.scheduled_new_reqs],
+    )

@@ -1,0 +1,223 @@
+"""Worker processes: one model replica each, driven by a step loop, and the handle the frontend holds.
+
+The worker talks to the frontend over one duplex pipe. In: Admit, Abort,
+Shutdown. Out: a WorkerSpec once the model is loaded (or WorkerFailed), then
+one StepReport per engine step. While it has no work it blocks on the pipe,
+so an idle replica costs no CPU. A worker whose pipe closes (the frontend
+died) exits.
+
+This module imports neither torch nor vllm at module level: it is the spawn
+target, and the environment those libraries read must be set first.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from queue import SimpleQueue
+from typing import Any
+
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.types import Abort, Admit, Shutdown, WorkerFailed
+
+log = logging.getLogger(__name__)
+
+FAULT_EXIT_CODE = 13  # the exit status of a worker that crashed on purpose (fault injection)
+
+# Set before torch or vLLM is imported in the worker; setdefault lets an operator override.
+_WORKER_ENV_DEFAULTS = {
+    "OMP_NUM_THREADS": "1",  # with more, decode steps swing 40x whenever another process wants a core
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def worker_main(conn: Connection, worker_id: int, config: WorkerConfig) -> None:
+    """The worker process: load the model, say what it can hold, then run the step loop."""
+    for name, value in _WORKER_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
+
+    from tokenline.engine.backend import build_backend
+
+    try:
+        backend = build_backend(config, worker_id)
+        spec = backend.spec()
+    except Exception as e:  # a bad model folder, too little memory: say so, then exit
+        log.error("worker %d could not start:\n%s", worker_id, traceback.format_exc())
+        _send_quietly(conn, WorkerFailed(worker_id, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    conn.send(spec)
+    try:
+        StepLoop(conn, backend, fault_injection=config.fault_marker is not None).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the frontend is gone: nothing left to serve
+
+
+class StepLoop:
+    """Take admissions and aborts, step, report; block while there is nothing to do."""
+
+    def __init__(self, conn: Connection, backend: Any, *, fault_injection: bool = False):
+        self.conn = conn
+        self.backend = backend
+        self.fault_injection = fault_injection
+        self.applied_seq = 0
+        self.crash_pending = False
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            self.drain_inbox(block=not self.backend.has_work())
+            if self.stopping:
+                return
+            if self.crash_pending:
+                os._exit(FAULT_EXIT_CODE)  # no cleanup, no goodbye: like a real crash
+            if self.backend.has_work():
+                report = self.backend.step()
+                report.applied_seq = self.applied_seq
+                self.conn.send(report)
+
+    def drain_inbox(self, *, block: bool) -> None:
+        if block:
+            self.handle(self.conn.recv())
+        while not self.stopping and self.conn.poll():
+            self.handle(self.conn.recv())
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, Admit):
+            for item in msg.items:
+                self.backend.add(item)
+                if self.fault_injection and item.fault_marker:
+                    self.crash_pending = True
+            self.applied_seq = max(self.applied_seq, msg.seq)
+        elif isinstance(msg, Abort):
+            self.backend.abort(msg.keys)
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+        else:
+            log.warning("worker ignored a message it does not know: %r", type(msg).__name__)
+
+
+def _send_quietly(conn: Connection, msg: object) -> None:
+    try:
+        conn.send(msg)
+    except OSError:
+        pass
+
+
+OnMessage = Callable[[int, object], None]
+OnExit = Callable[[int, "int | None"], None]
+
+
+class WorkerHandle:
+    """The frontend's side of one worker process.
+
+    `on_message(worker_id, msg)` is called for every message the worker sends
+    and `on_exit(worker_id, exitcode)` once when it is gone (also after a
+    SIGKILL: its end of the pipe closes). Both run on a reader thread; the
+    caller hands them to its event loop. `send` never blocks the caller: a
+    writer thread feeds the pipe, which is full while the worker is mid-step.
+    """
+
+    def __init__(self, worker_id: int, config: WorkerConfig, on_message: OnMessage, on_exit: OnExit):
+        self.worker_id = worker_id
+        self.config = config
+        self._on_message = on_message
+        self._on_exit = on_exit
+        self._outbox: SimpleQueue[object] = SimpleQueue()
+        self._reap_lock = threading.Lock()
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(
+            target=worker_main,
+            args=(child_conn, worker_id, config),
+            name=f"tokenline-worker-{worker_id}",
+            daemon=True,
+        )
+        self._child_conn = child_conn
+        self._reader = threading.Thread(target=self._read, name=f"worker-{worker_id}-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name=f"worker-{worker_id}-writer", daemon=True)
+
+    def start(self) -> WorkerHandle:
+        self._process.start()
+        self._child_conn.close()  # ours closed, the pipe breaks as soon as the worker dies
+        self._reader.start()
+        self._writer.start()
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None and self.pid is not None
+
+    @property
+    def exitcode(self) -> int | None:
+        # Reaping is serialised: two threads in waitpid() at once make the loser read no status.
+        with self._reap_lock:
+            return self._process.exitcode
+
+    def join(self, timeout: float | None = None) -> int | None:
+        """Wait up to `timeout` seconds for the worker to end; its exit code, or None if it still runs."""
+        if not multiprocessing.connection.wait([self._process.sentinel], timeout):
+            return None
+        with self._reap_lock:
+            self._process.join()  # it has ended (the sentinel is ready): this only reaps it
+            return self._process.exitcode
+
+    def send(self, msg: object) -> None:
+        """Queue a message for the worker; dropped if the worker is gone (on_exit tells of that)."""
+        self._outbox.put(msg)
+
+    def kill(self) -> None:
+        """SIGKILL the worker."""
+        if self.is_alive():
+            self._process.kill()
+
+    def terminate(self, timeout: float = 10.0) -> int | None:
+        """Ask the worker to stop; SIGTERM, then SIGKILL, if it has not within `timeout`. Returns its exit code."""
+        if self.is_alive():
+            self.send(Shutdown())
+            self.join(timeout)
+        if self.is_alive():
+            self._process.terminate()
+            self.join(timeout)
+        if self.is_alive():
+            self._process.kill()
+            self.join()
+        self._outbox.put(None)
+        return self.exitcode
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._conn.recv()
+                try:
+                    self._on_message(self.worker_id, msg)
+                except Exception:
+                    log.exception("on_message failed for worker %d", self.worker_id)
+        except (EOFError, OSError):
+            pass  # the worker's end closed: it exited or was killed
+        exitcode = self.join()
+        self._outbox.put(None)  # let the writer go
+        self._on_exit(self.worker_id, exitcode)
+
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except OSError:
+                return  # the worker is gone; the reader reports it

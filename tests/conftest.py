@@ -1,0 +1,39 @@
+"""Shared fixtures: real servers are started once per test session (start-up costs seconds)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support import ServerProcess
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# A small KV cache and a few sequences make admission and preemption observable.
+TINY_ARGS = ("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "2048")
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """The real vLLM engine on the tiny random model (gibberish text: assert on token counts)."""
+    server = ServerProcess(*TINY_ARGS).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """The real default model, prepared the way `make run` prepares it."""
+    server = ServerProcess("--kv-cache-mb", "256", "--max-seqs", "8").start(timeout=600)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def sim_server():
+    """The simulated engine (no vLLM): fast, deterministic, for frontend behaviour."""
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--max-seqs", "8").start()
+    yield server
+    server.stop()

@@ -1,0 +1,105 @@
+"""Test support: a real `tokenline serve` process on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+READY = re.compile(r"tokenline: serving on (\S+):(\d+)")
+LISTENING = re.compile(r"tokenline: listening on (\S+):(\d+)")
+
+
+class ServerProcess:
+    """`tokenline serve ARGS` in its own process group, its output kept for failure reports."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self.args = ["--port", "0", *args]
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.lines: deque[str] = deque(maxlen=2000)
+        self.address: str | None = None
+        self._ready = threading.Event()
+        self._listening = threading.Event()
+
+    def start(self, timeout: float = 300.0) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "tokenline.server.cli", "serve", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=self.env, start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"server did not become ready in {timeout}s:\n{self.output()}")
+        return self
+
+    def start_listening(self, timeout: float = 120.0) -> "ServerProcess":
+        """Start without waiting for the workers (to observe start-up)."""
+        cmd = [sys.executable, "-m", "tokenline.server.cli", "serve", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=self.env, start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._listening.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"server did not listen in {timeout}s:\n{self.output()}")
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            m = LISTENING.search(line)
+            if m:
+                self.address = f"{m.group(1)}:{m.group(2)}"
+                self._listening.set()
+            if READY.search(line):
+                self._ready.set()
+        self._ready.set()
+        self._listening.set()
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def health(self, service: str = "") -> int:
+        with grpc.insecure_channel(self.address) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, sig) if sig == signal.SIGKILL else self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait(10)
+
+    def worker_pids(self) -> list[int]:
+        """Worker processes: the server's children."""
+        assert self.proc is not None
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,24 @@
+"""The default model, prepared the way `make run` prepares it, gives real answers."""
+
+import pytest
+
+from tokenline.client import Client
+
+pytestmark = pytest.mark.engine
+
+
+def test_the_default_model_knows_the_capital_of_france(default_server):
+    with Client(default_server.address) as client:
+        deltas = list(client.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                      max_tokens=32, temperature=0))
+    text = "".join(d.text for d in deltas)
+    assert "Paris" in text
+    assert deltas[-1].finish_reason in ("stop", "length")
+
+
+def test_the_default_model_is_listed_and_loaded(default_server):
+    with Client(default_server.address) as client:
+        models = client.list_models()
+    assert models[0].name == "SmolLM2-135M-Instruct"
+    assert models[0].loaded
+    assert models[0].max_context == 4096
