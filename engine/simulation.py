@@ -121,12 +121,14 @@ class Simulation:
         self._order = itertools.count()
         self._timer_at: float | None = None
         self._last_timer_run: float | None = None
-        self._work_seq: dict[str, int] = {}
+        self.dispatched: list[tuple[float, str, int]] = []  # (time, key, worker) of every admission
         self.max_queue = 0
         for w in self.workers.values():
             self._handle(self.scheduler.add_worker(w.spec))
 
-    def run(self, requests: Iterable[SimRequest], *, until: float | None = None) -> dict[str, Outcome]:
+    def run(self, requests: Iterable[SimRequest], *, until: float | None = None,
+            after_event: Callable[[Simulation], None] | None = None) -> dict[str, Outcome]:
+        """Play the requests to the end (or `until`); `after_event` sees the state after each event."""
         by_key: dict[str, SimRequest] = {}
         for r in requests:
             by_key[r.key] = r
@@ -156,6 +158,8 @@ class Simulation:
             self._arm_timer()
             depth = sum(len(q) for m in self.scheduler.models.values() for q in m.queues.values())
             self.max_queue = max(self.max_queue, depth)
+            if after_event is not None:
+                after_event(self)
         return self.outcomes
 
     # ------------------------------------------------------------------ events
@@ -195,6 +199,7 @@ class Simulation:
                     o.worker_id = a.worker_id
                     o.queueing_s += adm.queueing_s
                     o.admission_wait_s += adm.admission_wait_s
+                    self.dispatched.append((now, adm.key, a.worker_id))
                     if o.departed is None:
                         o.departed = now
                     e = self.scheduler.entries[adm.key]

@@ -187,7 +187,13 @@ class Scheduler:
 
     def on_timer(self) -> list[Action]:
         """Expire what passed its deadline and fire admission windows that ran out."""
-        now = self.clock()
+        actions: list[Action] = []
+        for name in self.models:
+            actions += self._dispatch(name)
+        return actions
+
+    def _expire_overdue(self, now: float) -> list[Action]:
+        """Every event first removes what passed its deadline, so nothing overdue is admitted."""
         actions: list[Action] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, key = heapq.heappop(self._deadlines)
@@ -204,8 +210,6 @@ class Scheduler:
                 self._release(e)
             transition(e, Status.EXPIRED)
             self._forget(e)
-        for name in self.models:
-            actions += self._dispatch(name)
         return actions
 
     def next_wakeup(self) -> float | None:
@@ -225,7 +229,7 @@ class Scheduler:
     def _dispatch(self, model_name: str) -> list[Action]:
         now = self.clock()
         model = self.models[model_name]
-        actions: list[Action] = []
+        actions: list[Action] = self._expire_overdue(now)
         for wid in sorted(model.workers, key=lambda i: -self.workers[i].slots_free()):
             w = self.workers[wid]
             budget = self._budget(w)
