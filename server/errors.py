@@ -8,6 +8,7 @@
     ├── Overloaded                    RESOURCE_EXHAUSTED: queue or quota full; carries a retry hint
     ├── DeadlineUnmeetable            DEADLINE_EXCEEDED: cannot finish in time / deadline passed
     ├── Unavailable                   UNAVAILABLE: draining, no worker, attempts spent
+    ├── Quarantined                   FAILED_PRECONDITION: this request keeps crashing workers
     └── Unauthenticated               UNAUTHENTICATED: missing or wrong credentials
 
 Messages are for the caller: they say what to change, never how the server is built.
@@ -53,6 +54,10 @@ class DeadlineUnmeetable(ServingError):
 
 class Unavailable(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Quarantined(ServingError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class Unauthenticated(ServingError):

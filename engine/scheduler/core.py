@@ -56,6 +56,9 @@ class WorkerView:
     kv_blocks_free_reported: int = 0
 
     def accepting(self) -> bool:
+        # A suspect (running when some worker died) runs alone, so a second crash names it.
+        if any(e.crashes for e in self.running.values()):
+            return False
         return self.spec.continuous or not self.running
 
     def slots_free(self) -> int:
@@ -234,17 +237,21 @@ class Scheduler:
             w = self.workers[wid]
             budget = self._budget(w)
             admitted: list[Admission] = []
+            open_ = w.accepting()
             for cls in CLASSES:
                 queue = model.queues[cls]
                 if not queue or not self._rule_fires(model_name, cls, budget, now):
                     continue
                 reserve = self._bulk_reserve(w, model) if cls == TrafficClass.INTERACTIVE else 0
-                while queue:
+                while queue and open_:
                     e = queue.peek()
+                    if e.crashes and (w.running or admitted):
+                        break  # a suspect waits for an idle worker
                     if budget.slots - 1 < reserve or not budget.try_admit(e):
                         break
                     self._dequeue(e, admitted=True)
                     admitted.append(self._admit(e, w, now))
+                    open_ = not e.crashes
             if admitted:
                 w.seq += 1
                 w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in admitted)
