@@ -19,9 +19,9 @@ from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.server.catalog import ServedModel, load_served_model
 from tokenline.server.convert import Limits
 from tokenline.server.runtime import Runtime
-from tokenline.server.servicer import TokenlineServicer
+from tokenline.server.servicer import TokenlineServicer, add_to_server
+from tokenline.server.telemetry import Telemetry, TelemetryConfig
 from tokenline.v1 import tokenline_pb2 as pb
-from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tokenline.server")
 
@@ -39,6 +39,7 @@ class ServeConfig:
     ready_timeout_s: float = 600.0
     max_message_bytes: int = 4 * 1024 * 1024
     fault_marker: str | None = None
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -49,8 +50,11 @@ class ServeConfig:
             raise ValueError("grace_s must be >= 0")
 
 
-async def serve(config: ServeConfig) -> int:
-    """Run until SIGTERM/SIGINT, then drain; returns the process exit status."""
+async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop: asyncio.Event | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or `stop` is set), then drain; returns the process exit status.
+
+    `telemetry` replaces the one built from `config.telemetry` (tests pass in-memory sinks).
+    """
     from tokenline.engine.models import model_version
 
     import pathlib
@@ -63,16 +67,23 @@ async def serve(config: ServeConfig) -> int:
     default_model = config.models[0][0].model_name
 
     runtime = Runtime(config.scheduler, {wc.model_name: (wc, n) for wc, n in config.models})
+    telemetry = telemetry or Telemetry(config.telemetry)
+    telemetry.watch(runtime, default_model)
+    try:
+        telemetry.start()
+    except OSError as err:
+        print(f"tokenline: cannot open the metrics endpoint on port {config.telemetry.metrics_port}: {err}", file=sys.stderr, flush=True)
+        return 1
     runtime.start()
 
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=telemetry.server_interceptors(), options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ])
     servicer = TokenlineServicer(runtime, served, default_model, config.limits, fault_marker=config.fault_marker,
-                                 on_done=_log_request)
-    pb_grpc.add_TokenlineServicer_to_server(servicer, server)
+                                 on_done=telemetry.on_request_done, on_refused=telemetry.on_refused)
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -80,8 +91,10 @@ async def serve(config: ServeConfig) -> int:
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     print(f"tokenline: listening on {config.host}:{port} (default model {default_model}); loading workers…", flush=True)
+    if telemetry.metrics_address is not None:
+        print("tokenline: metrics on http://%s:%d/metrics" % telemetry.metrics_address, flush=True)
 
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -109,6 +122,7 @@ async def serve(config: ServeConfig) -> int:
         await asyncio.sleep(0.05)
     await server.stop(max(end - time.monotonic(), 0.0))
     await runtime.close()
+    await asyncio.to_thread(telemetry.shutdown)
     print("tokenline: stopped", flush=True)
     return status
 
@@ -126,17 +140,6 @@ async def _await_ready(runtime: Runtime, served: dict[str, ServedModel], timeout
 async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
     for name in ("", SERVICE_NAME):
         await servicer.set(name, status)
-
-
-def _log_request(state, outcome: str) -> None:
-    if not log.isEnabledFor(logging.INFO):
-        return
-    splits = state.timeline.splits_ms()
-    log.info(
-        "request id=%s class=%s tenant=%s outcome=%s prompt=%d tokens=%d attempts=%d %s",
-        state.request_id, state.cls.name.lower(), state.tenant, outcome, len(state.prompt_ids), len(state.token_ids),
-        state.attempt, " ".join(f"{k}={v:.1f}" for k, v in splits.items()),
-    )
 
 
 def run(config: ServeConfig) -> int:

@@ -13,6 +13,8 @@ SERVE_EXAMPLES = """examples:
   tokenline serve --model /path/to/hf-model-folder # any local Hugging Face model folder vLLM can load
   tokenline serve --model tiny --port 0            # tiny random model (gibberish, fast), any free port
   tokenline serve --engine sim --model tiny        # simulated engine: no vLLM, deterministic cost model
+  tokenline serve --metrics-port 9464              # Prometheus metrics on http://127.0.0.1:9464/metrics
+  tokenline serve --otlp-endpoint http://localhost:4317   # metrics and traces to an OpenTelemetry collector
 """
 
 
@@ -39,6 +41,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace-s", type=float, default=30.0, help="drain period on SIGTERM (default %(default)s)")
     p.add_argument("--fault-marker", default=None, help="TESTING ONLY: a worker crashes on a prompt containing this text")
     p.add_argument("--log-level", default="INFO", help="log level (default %(default)s)")
+    p.add_argument("--request-log-level", default="INFO",
+                   help="level of the one key=value line per finished request, or OFF (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (on --host, path /metrics; 0 picks a free one; default off; 9464 is customary)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="send metrics and traces by OTLP/gRPC to this collector, e.g. http://localhost:4317 "
+                        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else off)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -46,6 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenline.engine.models import ModelPrepError, resolve_model
     from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
     from tokenline.server.app import ServeConfig, run
+    from tokenline.server.telemetry import TelemetryConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -62,7 +72,9 @@ def run_serve(args: argparse.Namespace) -> int:
             bulk_floor=args.bulk_floor,
         )
         config = ServeConfig(host=args.host, port=args.port, models=((worker, args.workers),), scheduler=sched,
-                             grace_s=args.grace_s, fault_marker=args.fault_marker)
+                             grace_s=args.grace_s, fault_marker=args.fault_marker,
+                             telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
+                                                       otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:
         print(f"tokenline serve: {err}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ is no longer current is dropped and counted, so a request completes once.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from tokenline.engine.scheduler.core import Scheduler
 from tokenline.engine.scheduler.records import Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StopRun
 from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, Shutdown, StepReport, TrafficClass, WorkerFailed, WorkerSpec, WorkItem
 from tokenline.engine.worker import WorkerHandle
-from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, Overloaded, ServingError, Unavailable
+from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, Overloaded, Quarantined, ServingError, Unavailable
 from tokenline.server.timeline import Timeline
 
 log = logging.getLogger("tokenline.runtime")
@@ -63,6 +64,13 @@ class RequestState:
     def emit(self, item: object) -> None:
         self.events.put_nowait(item)
 
+    @property
+    def fingerprint(self) -> str:
+        """What makes two requests the same work: model, prompt tokens and sampling."""
+        h = hashlib.sha256(f"{self.model}|{self.sampling!r}|".encode())
+        h.update(",".join(map(str, self.prompt_ids)).encode())
+        return h.hexdigest()
+
 
 _END = object()  # sentinel in a request's mailbox: finished (or failed, see .error)
 
@@ -76,7 +84,7 @@ class RuntimeStats:
 
 class Runtime:
     def __init__(self, scheduler_config: SchedulerConfig, workers: dict[str, tuple[WorkerConfig, int]],
-                 *, restart_workers: bool = True):
+                 *, restart_workers: bool = True, quarantine_s: float = 600.0):
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
@@ -86,7 +94,10 @@ class Runtime:
         self.specs: dict[int, WorkerSpec] = {}
         self.stats = RuntimeStats()
         self.restart_workers = restart_workers
+        self.quarantine_s = quarantine_s
+        self._quarantined: dict[str, float] = {}  # fingerprint -> refused until (monotonic)
         self.on_step: list[Callable[[StepReport], None]] = []
+        self.on_action: list[Callable[[object], None]] = []  # each scheduler action, once carried out
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._last_timer_run: float | None = None
@@ -164,6 +175,9 @@ class Runtime:
         if state.key in self.requests:
             raise DuplicateRequest(f"request id {state.request_id!r} is already in flight; use a new id")
         now = time.monotonic()
+        until = self._quarantined.get(state.fingerprint)
+        if until is not None and until > now:
+            raise Quarantined(f"this request (same model, prompt and sampling) crashed workers repeatedly and is refused for another {until - now:.0f} s")
         state.timeline.enqueued = now
         entry = Entry(key=state.key, model=state.model, tenant=state.tenant, cls=state.cls,
                       prompt_tokens=len(state.prompt_ids), max_tokens=state.sampling.max_tokens,
@@ -247,6 +261,7 @@ class Runtime:
                 st = self.requests.get(a.key)
                 if st is not None:
                     st.error = _refusal_error(a)
+                    st.error.reason = a.reason.value  # the scheduler's reason, for metrics
                     st.done = True
             elif isinstance(a, Expire):
                 if a.worker_id is not None:
@@ -270,7 +285,13 @@ class Runtime:
             elif isinstance(a, Fail):
                 st = self.requests.get(a.key)
                 if st is not None:
-                    self._finish(st, None, Unavailable(a.message))
+                    if a.quarantined:
+                        self._quarantined[st.fingerprint] = now + self.quarantine_s
+                        self._finish(st, None, Quarantined(f"{a.message}; identical requests are refused for {self.quarantine_s:.0f} s"))
+                    else:
+                        self._finish(st, None, Unavailable(a.message))
+            for hook in self.on_action:
+                hook(a)
         self._arm_timer()
 
     def _dispatch(self, d: Dispatch, now: float) -> None:

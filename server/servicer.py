@@ -14,6 +14,7 @@ from tokenline.server import convert
 from tokenline.server.catalog import ServedModel
 from tokenline.server.errors import (
     DeadlineUnmeetable,
+    InvalidRequest,
     RequestNotFound,
     ServingError,
     Unavailable,
@@ -31,7 +32,8 @@ DEFAULT_TENANT = "default"
 
 class TokenlineServicer(pb_grpc.TokenlineServicer):
     def __init__(self, runtime: Runtime, models: dict[str, ServedModel], default_model: str, limits: convert.Limits,
-                 *, fault_marker: str | None = None, on_done: Callable[[RequestState, str], None] | None = None):
+                 *, fault_marker: str | None = None, on_done: Callable[[RequestState, str], None] | None = None,
+                 on_refused: Callable[[pb.GenerateRequest, ServingError, str], None] | None = None):
         self.runtime = runtime
         self.models = models
         self.default_model = default_model
@@ -39,6 +41,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         self.draining = False
         self.fault_marker = fault_marker
         self.on_done = on_done
+        self.on_refused = on_refused  # a call that ended before it reached the runtime
         self.inflight = 0
 
     # ---------------------------------------------------------------- RPCs
@@ -59,6 +62,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             outcome = _outcome(state)
         except ServingError as err:
             outcome = type(err).__name__
+            if state is None and self.on_refused is not None:
+                self.on_refused(request, err, DEFAULT_TENANT)
             await abort_with(context, err)
         except asyncio.CancelledError:
             outcome = "disconnected"
@@ -89,6 +94,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             )
         except ServingError as err:
             outcome = type(err).__name__
+            if state is None and self.on_refused is not None:
+                self.on_refused(request, err, DEFAULT_TENANT)
             await abort_with(context, err)
         except asyncio.CancelledError:
             outcome = "disconnected"
@@ -101,12 +108,16 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                 self.on_done(state, outcome)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+        if request is MALFORMED:
+            await abort_with(context, InvalidRequest("the request message could not be parsed as a tokenline.v1.CancelRequest"))
         key = _key(DEFAULT_TENANT, request.request_id)
         if not request.request_id or not self.runtime.cancel(key):
             await abort_with(context, RequestNotFound(f"no request {request.request_id!r} is queued or running"))
         return pb.CancelResponse(cancelled=True)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        if request is MALFORMED:
+            await abort_with(context, InvalidRequest("the request message could not be parsed as a tokenline.v1.ListModelsRequest"))
         out = []
         for m in self.models.values():
             workers = sum(1 for s in self.runtime.specs.values() if s.model == m.name)
@@ -117,6 +128,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
     # ------------------------------------------------------------- helpers
 
     def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float) -> RequestState:
+        if request is MALFORMED:
+            raise InvalidRequest("the request message could not be parsed as a tokenline.v1.GenerateRequest")
         if self.draining:
             raise Unavailable("the server is draining for shutdown; retry on another instance")
         valid = convert.validate(request, self.models, self.default_model, self.limits)
@@ -140,6 +153,45 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
             timeline=convert.timeline_pb(state.timeline),
         )
+
+
+class _Malformed:
+    """Stands for a request message whose bytes did not parse."""
+
+    model = ""
+    request_id = ""
+    traffic_class = 0
+
+    def WhichOneof(self, _):  # noqa: N802 - mirrors the protobuf API
+        return None
+
+
+MALFORMED = _Malformed()
+
+
+def _parse(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception:  # DecodeError and friends: answered INVALID_ARGUMENT, never INTERNAL
+            return MALFORMED
+    return parse
+
+
+def add_to_server(servicer: TokenlineServicer, server: grpc.aio.Server) -> None:
+    """Register the service with deserializers that turn unparsable bytes into INVALID_ARGUMENT."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, request_deserializer=_parse(pb.GenerateRequest),
+                                                         response_serializer=pb.GenerateChunk.SerializeToString),
+        "Complete": grpc.unary_unary_rpc_method_handler(servicer.Complete, request_deserializer=_parse(pb.GenerateRequest),
+                                                        response_serializer=pb.CompleteResponse.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(servicer.Cancel, request_deserializer=_parse(pb.CancelRequest),
+                                                      response_serializer=pb.CancelResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(servicer.ListModels, request_deserializer=_parse(pb.ListModelsRequest),
+                                                          response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    service = pb.DESCRIPTOR.services_by_name["Tokenline"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
 def _key(tenant: str, request_id: str) -> str:

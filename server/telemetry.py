@@ -1,0 +1,497 @@
+"""Where every millisecond went, for operators: metrics, traces and one log line per request.
+
+`Telemetry` is built once per server. It reads what the serving path already keeps (each
+request's Timeline when its call ends, worker step reports, scheduler actions, queue depths)
+and turns it into OpenTelemetry metrics (a Prometheus endpoint and/or OTLP), one span per
+request (continuing the caller's trace when the call carries `traceparent`), and one
+key=value log line per request. It never changes what it reads, and a failure inside it is
+logged, never raised into the serving path.
+
+Metric names carry their unit; durations are seconds, with bucket boundaries sized to what
+each one measures (milliseconds for waits and token gaps, seconds for whole requests).
+Labels are bounded: model, class, outcome, refusal reason, worker; tenant only on
+`tokenline_requests_total`, and only for the first `max_tenant_labels` tenants seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import Link, Status, StatusCode
+
+from tokenline.engine.scheduler.records import Retry, StopRun
+from tokenline.engine.types import StepReport, TrafficClass
+
+if TYPE_CHECKING:
+    from tokenline.server.runtime import RequestState, Runtime
+
+log = logging.getLogger("tokenline.telemetry")
+
+OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+# Bucket boundaries (seconds). 0 is a bucket of its own: "no wait at all" is the common,
+# healthy case for the waits, and an operator wants to see how often it holds.
+WAIT_BUCKETS = (0.0, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+# One histogram per split: (key in Timeline.splits_ms or "intake", metric name, buckets, help).
+SPLITS = (
+    ("intake_ms", "tokenline_request_intake_seconds", WAIT_BUCKETS,
+     "Received to enqueued: validation and tokenization."),
+    ("admission_wait_ms", "tokenline_request_admission_wait_seconds", WAIT_BUCKETS,
+     "Waiting to be batched: queued while some worker had room, until the dispatch rule fired."),
+    ("queueing_ms", "tokenline_request_queueing_seconds", WAIT_BUCKETS,
+     "Waiting for capacity: queued while no worker had room."),
+    ("prefill_ms", "tokenline_request_prefill_seconds", FIRST_TOKEN_BUCKETS,
+     "Admitted to a worker until the first token."),
+    ("decode_ms", "tokenline_request_decode_seconds", REQUEST_BUCKETS, "First token to last token."),
+    ("return_ms", "tokenline_request_return_seconds", WAIT_BUCKETS,
+     "Finished in the engine until the last byte was written to the stream."),
+    ("ttft_ms", "tokenline_request_ttft_seconds", FIRST_TOKEN_BUCKETS, "Time to first token, from receipt."),
+    ("itl_mean_ms", "tokenline_request_itl_mean_seconds", GAP_BUCKETS, "Mean inter-token gap of one request."),
+    ("completion_ms", "tokenline_request_completion_seconds", REQUEST_BUCKETS,
+     "Received until the last byte was written (requests that got their final message)."),
+)
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "OFF")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Where telemetry goes. Nothing is exported unless asked for; the request log is on."""
+
+    metrics_port: int | None = None  # Prometheus endpoint; None: off, 0: any free port
+    metrics_host: str = "127.0.0.1"
+    otlp_endpoint: str | None = None  # None: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no OTLP
+    request_log_level: str = "INFO"  # level of the per-request line, or OFF
+    max_tenant_labels: int = 16  # tenants beyond these are labelled "other"
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be in 0..65535, got {self.metrics_port}")
+        if self.request_log_level.upper() not in _LOG_LEVELS:
+            raise ValueError(f"request log level {self.request_log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
+        if self.max_tenant_labels < 0:
+            raise ValueError(f"max_tenant_labels must be >= 0, got {self.max_tenant_labels}")
+
+
+@dataclass
+class _Extra:
+    """What a request's Timeline does not keep: interruptions, and the steps that admitted it."""
+
+    links: list[Any] = field(default_factory=list)  # SpanContexts of admitting worker steps
+    events: list[tuple[str, float, dict]] = field(default_factory=list)
+    lost_s: dict[str, float] = field(default_factory=dict)  # by cause: preemption, retry
+    interrupted: tuple[float, str] | None = None  # (when, cause) until its next token
+
+
+@dataclass
+class _Snapshot:
+    """Gauge values, read on the event loop (the only thread that may touch the runtime)."""
+
+    queues: dict[tuple[str, str], tuple[int, int, float]] = field(default_factory=dict)
+    in_flight: dict[tuple[str, str], int] = field(default_factory=dict)
+    workers: dict[int, tuple[str, int, int, float, int]] = field(default_factory=dict)
+    stale: tuple[int, int] = (0, 0)
+    restarts: int = 0
+    taken_at: float = float("-inf")
+
+
+def _guarded(fn: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception:  # telemetry must never break serving
+            log.exception("telemetry: %s failed", fn.__name__)
+            return None
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class Telemetry:
+    def __init__(self, config: TelemetryConfig | None = None, *, metric_readers: Sequence[MetricReader] = (),
+                 span_exporter: SpanExporter | None = None):
+        """`metric_readers` and `span_exporter` are extra sinks (tests pass in-memory ones)."""
+        self.config = config or TelemetryConfig()
+        self.runtime: Runtime | None = None
+        self.metrics_address: tuple[str, int] | None = None
+        self._models: tuple[str, ...] = ()
+        self._default_model = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
+        self._extra: dict[str, _Extra] = {}
+        self._last_step: dict[int, StepReport] = {}
+        self._tenants: set[str] = set()
+        self._snapshot = _Snapshot()
+        self._snapshot_lock = threading.Lock()
+        self._http: Any = None
+        level = self.config.request_log_level.upper()
+        self._log_level = None if level == "OFF" else logging.getLevelName(level)
+        self.request_log = logging.getLogger("tokenline.requests")
+
+        resource = Resource.create({} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "tokenline"})
+        endpoint = self.config.otlp_endpoint or os.environ.get(OTLP_ENDPOINT_ENV) or None
+        readers = list(metric_readers)
+        self.registry = None
+        if self.config.metrics_port is not None:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from prometheus_client import CollectorRegistry
+
+            self.registry = CollectorRegistry()  # ours alone: two servers in one process do not collide
+            readers.append(PrometheusMetricReader(registry=self.registry, scope_info_enabled=False))
+        if endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=endpoint)))
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        self.tracer_provider: TracerProvider | None = None
+        if span_exporter is not None or endpoint:
+            self.tracer_provider = TracerProvider(resource=resource)
+            if span_exporter is not None:
+                self.tracer_provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+            if endpoint:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+                self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.tracer = self.tracer_provider.get_tracer("tokenline") if self.tracer_provider else None
+        self._instruments(self.meter_provider.get_meter("tokenline"))
+
+    # ------------------------------------------------------------- wiring
+
+    def _instruments(self, meter: Any) -> None:
+        self._splits = {key: meter.create_histogram(name, unit="s", description=doc, explicit_bucket_boundaries_advisory=buckets)
+                        for key, name, buckets, doc in SPLITS}
+        self._gap = meter.create_histogram("tokenline_inter_token_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=GAP_BUCKETS,
+                                           description="Gap between consecutive tokens of a request (one sample per gap).")
+        self._lost = meter.create_histogram("tokenline_request_lost_seconds", unit="s", explicit_bucket_boundaries_advisory=FIRST_TOKEN_BUCKETS,
+                                            description="Time lost to one interruption (cause: preemption or retry), until the next token.")
+        self._step = meter.create_histogram("tokenline_worker_step_seconds", unit="s", explicit_bucket_boundaries_advisory=GAP_BUCKETS,
+                                            description="Wall time of one engine step.")
+        self._requests = meter.create_counter("tokenline_requests_total", description="Requests by how they ended (outcome).")
+        self._refusals = meter.create_counter("tokenline_refusals_total", description="Requests refused before running, by reason.")
+        self._prompt_tokens = meter.create_counter("tokenline_prompt_tokens_total", description="Prompt tokens of accepted requests.")
+        self._generated_tokens = meter.create_counter("tokenline_generated_tokens_total", description="Tokens generated and kept.")
+        self._preemptions = meter.create_counter("tokenline_preemptions_total", description="Runs preempted to make room for interactive work.")
+        self._retries = meter.create_counter("tokenline_retries_total", description="Attempts started again after a worker died.")
+        gauges = (
+            ("tokenline_queue_requests", "Requests queued.", self._observe_queue(0)),
+            ("tokenline_queue_tokens", "Tokens (prompt + max new) queued.", self._observe_queue(1)),
+            ("tokenline_queue_oldest_age_seconds", "Age of the oldest queued request.", self._observe_queue(2)),
+            ("tokenline_requests_in_flight", "Requests queued or running.", self._observe_in_flight),
+            ("tokenline_worker_running_sequences", "Sequences running in a worker (last step).", self._observe_worker(1)),
+            ("tokenline_worker_waiting_sequences", "Sequences waiting inside a worker's engine (last step).", self._observe_worker(2)),
+            ("tokenline_worker_kv_usage_ratio", "Share of a worker's KV-cache blocks in use (last step).", self._observe_worker(3)),
+            ("tokenline_worker_batch_size", "Sequences in a worker's last step.", self._observe_worker(4)),
+        )
+        for name, doc, callback in gauges:
+            meter.create_observable_gauge(name, callbacks=[callback], description=doc)
+        meter.create_observable_counter("tokenline_stale_outputs_total", callbacks=[self._observe_stale],
+                                        description="Outputs of runs no longer current, dropped (layer: frontend or scheduler).")
+        meter.create_observable_counter("tokenline_worker_restarts_total", callbacks=[self._observe_restarts],
+                                        description="Workers restarted after they died.")
+
+    def watch(self, runtime: Runtime, default_model: str) -> None:
+        """Follow `runtime`: its step reports, scheduler actions and queues. Call on its event loop."""
+        self.runtime = runtime
+        self._loop = asyncio.get_running_loop()
+        self._models = tuple(runtime.worker_configs)
+        self._default_model = default_model
+        runtime.on_step.append(self.on_step)
+        runtime.on_action.append(self.on_action)
+
+    def start(self) -> None:
+        """Open the Prometheus endpoint, if one is configured."""
+        if self.registry is None or self._http is not None:
+            return
+        from prometheus_client import start_http_server
+
+        self._http, _ = start_http_server(self.config.metrics_port, addr=self.config.metrics_host, registry=self.registry)
+        self.metrics_address = (self.config.metrics_host, self._http.server_port)
+
+    def server_interceptors(self) -> list[Any]:
+        """gRPC interceptors: a server span per Tokenline call, continuing the caller's W3C trace."""
+        if self.tracer_provider is None:
+            return []
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+
+        return [aio_server_interceptor(tracer_provider=self.tracer_provider, filter_=filters.service_name("tokenline.v1.Tokenline"))]
+
+    def shutdown(self) -> None:
+        """Flush exporters and close the endpoint. Blocks: call it off the event loop."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        self.meter_provider.shutdown()
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+
+    # -------------------------------------------------------- per request
+
+    @_guarded
+    def on_request_done(self, state: RequestState, outcome: str) -> None:
+        """A call that reached the runtime ended: record its bill, its span and its log line."""
+        now = time.monotonic()
+        outcome = _snake(outcome)
+        tl = state.timeline
+        cls = state.cls.name.lower()
+        extra = self._extra.pop(state.key, None) or _Extra()
+        if extra.interrupted is not None:  # never resumed: what it lost runs to its end
+            self._resume(extra, tl.finished or now, state.model, cls)
+        labels = {"model": state.model, "class": cls, "outcome": outcome}
+        splits = {"intake_ms": _span_ms(tl.received, tl.enqueued), **tl.splits_ms()}
+        reached = {
+            "intake_ms": tl.enqueued is not None,
+            "admission_wait_ms": tl.admitted is not None,
+            "queueing_ms": tl.admitted is not None,
+            "prefill_ms": tl.first_token is not None,
+            "ttft_ms": tl.first_token is not None,
+            "decode_ms": tl.first_token is not None,
+            "itl_mean_ms": tl.gap_count > 0,
+            "return_ms": tl.finished is not None and tl.last_byte is not None,
+            "completion_ms": tl.last_byte is not None,
+        }
+        for key, histogram in self._splits.items():
+            if reached[key]:
+                histogram.record(splits[key] / 1000.0, labels)
+        for gap in tl.gaps:
+            self._gap.record(gap, labels)
+        self._requests.add(1, {**labels, "tenant": self._tenant_label(state.tenant)})
+        self._prompt_tokens.add(len(state.prompt_ids), {"model": state.model, "class": cls})
+        self._generated_tokens.add(len(state.token_ids), {"model": state.model, "class": cls})
+        trace_id = self._request_span(state, outcome, extra, splits)
+        lost = {f"lost_{cause}_ms": s * 1000.0 for cause, s in sorted(extra.lost_s.items())}
+        self._log({"id": state.request_id, "model": state.model, "class": cls, "tenant": state.tenant, "outcome": outcome,
+                   "prompt_tokens": len(state.prompt_ids), "tokens": len(state.token_ids), "attempts": state.attempt,
+                   "preemptions": tl.preemptions, **splits, **lost, "trace_id": trace_id})
+
+    @_guarded
+    def on_refused(self, request: Any, err: Exception, tenant: str) -> None:
+        """A call ended before it reached the runtime (invalid, or refused at once)."""
+        model = request.model or self._default_model
+        labels = {"model": model if model in self._models else "unknown",
+                  "class": {0: "interactive", TrafficClass.INTERACTIVE: "interactive", TrafficClass.BULK: "bulk"}.get(request.traffic_class, "unknown")}
+        reason = getattr(err, "reason", None) or _snake(type(err).__name__)
+        outcome = _snake(type(err).__name__)
+        self._refusals.add(1, {**labels, "reason": reason})
+        self._requests.add(1, {**labels, "outcome": outcome, "tenant": self._tenant_label(tenant)})
+        trace.get_current_span().set_attribute("tokenline.refusal", reason)
+        self._log({"id": request.request_id or "-", "model": labels["model"], "class": labels["class"], "tenant": tenant,
+                   "outcome": outcome, "reason": reason})
+
+    def _request_span(self, state: RequestState, outcome: str, extra: _Extra, splits: dict[str, float]) -> str | None:
+        """One span per request, timed by its Timeline, with its milestones as events."""
+        if self.tracer is None:
+            return None
+        tl = state.timeline
+        end = tl.last_byte or tl.finished or time.monotonic()
+        attributes = {"tokenline.request_id": state.request_id, "tokenline.model": state.model,
+                      "tokenline.class": state.cls.name.lower(), "tokenline.tenant": state.tenant,
+                      "tokenline.outcome": outcome, "tokenline.attempts": state.attempt,
+                      "tokenline.preemptions": tl.preemptions, "tokenline.prompt_tokens": len(state.prompt_ids),
+                      "tokenline.completion_tokens": len(state.token_ids),
+                      **{f"tokenline.{k}": v for k, v in splits.items()}}
+        span = self.tracer.start_span("tokenline.request", start_time=self._wall_ns(tl.received), attributes=attributes,
+                                      links=[Link(ctx) for ctx in extra.links])
+        milestones = [(name, getattr(tl, name), None) for name in ("validated", "enqueued", "admitted", "first_scheduled",
+                                                                      "first_token", "finished", "last_byte")]
+        for name, at, attrs in sorted((m for m in milestones + extra.events if m[1] is not None), key=lambda m: m[1]):
+            span.add_event(name, attributes=attrs, timestamp=self._wall_ns(at))
+        if state.error is not None or outcome not in ("stop", "length", "stop_string", "cancelled", "ok"):
+            span.set_status(Status(StatusCode.ERROR, outcome))
+        span.end(end_time=self._wall_ns(end))
+        return format(span.get_span_context().trace_id, "032x")
+
+    def _log(self, fields: dict[str, Any]) -> None:
+        if self._log_level is None or not self.request_log.isEnabledFor(self._log_level):
+            return
+        self.request_log.log(self._log_level, "request %s", " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items() if v is not None))
+
+    # ------------------------------------------------------ engine events
+
+    @_guarded
+    def on_step(self, report: StepReport) -> None:
+        """A worker step: its time, its gauges, requests resuming, and the step span of admissions."""
+        runtime = self.runtime
+        model = runtime.specs[report.worker_id].model if report.worker_id in runtime.specs else "unknown"
+        self._last_step[report.worker_id] = report
+        self._step.record(report.step_s, {"model": model})
+        now = time.monotonic()
+        if any(e.interrupted for e in self._extra.values()):
+            for out in report.outputs:
+                st = runtime.by_run.get(out.key) or runtime.requests.get(_request_key(out.key))
+                extra = self._extra.get(_request_key(out.key))
+                if out.new_token_ids and extra is not None and extra.interrupted and st is not None and st.run_key == out.key:
+                    self._resume(extra, now, st.model, st.cls.name.lower())
+        if self.tracer is not None and report.first_scheduled:
+            start = self._wall_ns(now - report.step_s)
+            span = self.tracer.start_span("tokenline.worker_step", start_time=start, attributes={
+                "tokenline.worker": report.worker_id, "tokenline.model": model, "tokenline.batch_size": report.batch_size,
+                "tokenline.prefill_tokens": report.prefill_tokens, "tokenline.admitted": len(report.first_scheduled),
+                "tokenline.kv_blocks_free": report.kv_blocks_free, "tokenline.step_s": report.step_s})
+            span.end(end_time=self._wall_ns(now))
+            for run_key in report.first_scheduled:
+                key = _request_key(run_key)
+                if key in runtime.requests:
+                    self._extra.setdefault(key, _Extra()).links.append(span.get_span_context())
+
+    @_guarded
+    def on_action(self, action: object) -> None:
+        """A scheduler action the runtime just carried out: count interruptions, start their clocks."""
+        if not isinstance(action, (StopRun, Retry)) or (isinstance(action, StopRun) and not action.preempted):
+            return
+        st = self.runtime.requests.get(action.key)
+        if st is None:
+            return
+        labels = {"model": st.model, "class": st.cls.name.lower()}
+        cause = "preemption" if isinstance(action, StopRun) else "retry"
+        (self._preemptions if cause == "preemption" else self._retries).add(1, labels)
+        now = time.monotonic()
+        extra = self._extra.setdefault(st.key, _Extra())
+        if extra.interrupted is not None:  # interrupted again before it resumed
+            self._resume(extra, now, st.model, labels["class"])
+        extra.interrupted = (now, cause)
+        extra.events.append(("preempted" if cause == "preemption" else "retried", now, {"tokenline.attempt": st.attempt}))
+
+    def _resume(self, extra: _Extra, now: float, model: str, cls: str) -> None:
+        since, cause = extra.interrupted
+        extra.interrupted = None
+        lost = max(now - since, 0.0)
+        extra.lost_s[cause] = extra.lost_s.get(cause, 0.0) + lost
+        extra.events.append(("resumed", now, {"tokenline.lost_ms": lost * 1000.0}))
+        self._lost.record(lost, {"model": model, "class": cls, "cause": cause})
+
+    # ------------------------------------------------------------- gauges
+
+    def _take_snapshot(self) -> _Snapshot:
+        rt = self.runtime
+        snap = _Snapshot(taken_at=time.monotonic())
+        if rt is None:
+            return snap
+        for model in self._models:
+            for cls in TrafficClass:
+                requests, tokens = rt.scheduler.queue_depth(model, cls)
+                snap.queues[(model, cls.name.lower())] = (requests, tokens, rt.scheduler.oldest_age(model, cls))
+                snap.in_flight[(model, cls.name.lower())] = 0
+        for st in rt.requests.values():
+            key = (st.model, st.cls.name.lower())
+            snap.in_flight[key] = snap.in_flight.get(key, 0) + 1
+        for wid, spec in rt.specs.items():
+            report = self._last_step.get(wid)
+            free = report.kv_blocks_free if report else spec.kv_blocks_total
+            usage = 1.0 - free / spec.kv_blocks_total if spec.kv_blocks_total else 0.0
+            snap.workers[wid] = (spec.model, report.running if report else 0, report.waiting if report else 0,
+                                 usage, report.batch_size if report else 0)
+        snap.stale = (rt.stats.stale_outputs, rt.scheduler.counters.stale_outputs)
+        snap.restarts = rt.stats.worker_restarts
+        return snap
+
+    def _read(self) -> _Snapshot:
+        """The current gauge values, taken on the event loop (once per collection)."""
+        with self._snapshot_lock:
+            if time.monotonic() - self._snapshot.taken_at < 0.2:
+                return self._snapshot
+        loop = self._loop
+        try:
+            on_loop = loop is None or asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        try:
+            if on_loop:
+                snap = self._take_snapshot()
+            else:
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+
+                def fill() -> None:
+                    try:
+                        fut.set_result(self._take_snapshot())
+                    except Exception as err:
+                        fut.set_exception(err)
+
+                loop.call_soon_threadsafe(fill)
+                snap = fut.result(timeout=1.0)
+        except Exception:  # the loop is busy or closed: the last values will do
+            log.debug("telemetry: gauges not refreshed", exc_info=True)
+            return self._snapshot
+        with self._snapshot_lock:
+            self._snapshot = snap
+        return snap
+
+    def _observe_queue(self, index: int) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(v[index], {"model": m, "class": c}) for (m, c), v in self._read().queues.items()]
+
+        return observe
+
+    def _observe_in_flight(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"model": m, "class": c}) for (m, c), n in self._read().in_flight.items()]
+
+    def _observe_worker(self, index: int) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(v[index], {"model": v[0], "worker": str(wid)}) for wid, v in self._read().workers.items()]
+
+        return observe
+
+    def _observe_stale(self, options: CallbackOptions) -> Iterable[Observation]:
+        frontend, scheduler = self._read().stale
+        return [Observation(frontend, {"layer": "frontend"}), Observation(scheduler, {"layer": "scheduler"})]
+
+    def _observe_restarts(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._read().restarts)]
+
+    # ------------------------------------------------------------ helpers
+
+    def _tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) < self.config.max_tenant_labels:
+            self._tenants.add(tenant)
+            return tenant
+        return "other"
+
+    def _wall_ns(self, monotonic_s: float) -> int:
+        """A stamp of this process's monotonic clock as epoch nanoseconds, for span times."""
+        return int(monotonic_s * 1e9) + self._wall_offset_ns
+
+
+def _request_key(run_key: str) -> str:
+    """The request key of a run key ("<tenant>/<id>@<run>")."""
+    return run_key.rpartition("@")[0] or run_key
+
+
+def _span_ms(a: float | None, b: float | None) -> float:
+    return max((b - a) * 1000.0, 0.0) if a is not None and b is not None else 0.0
+
+
+def _snake(name: str) -> str:
+    """Outcome labels: "DeadlineUnmeetable" → "deadline_unmeetable"; "stop" stays."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def _logfmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    text = str(value)
+    if not text or any(c in text for c in ' ="\\'):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
