@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -20,7 +20,7 @@ from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 from ._channel import DEFAULT_TARGET, auth_metadata, channel_credentials, channel_options
-from ._client import prepare_call
+from ._client import MAX_REATTACH, prepare_call, reattach_backoff_s, resumed
 from ._convert import Message, completion_from_response, delta_from_chunk, model_from_proto
 from ._types import Completion, Delta, ModelInfo
 from .errors import NotFound, error_from_rpc
@@ -33,30 +33,42 @@ class AsyncDeltaStream(AsyncIterator[Delta]):
     stream ends without an error.
     """
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, sent_at: float) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, sent_at: float,
+                 restart: Callable[[int], grpc.aio.UnaryStreamCall] | None = None) -> None:
         self._call = call
         self._cancelled = False
         self.sent_at = sent_at
+        self._restart = restart  # re-attach a keyed stream after a break (see DeltaStream)
+        self._next_index = 0
+        self.reattached = 0
 
     def __aiter__(self) -> AsyncDeltaStream:
         return self
 
     async def __anext__(self) -> Delta:
-        try:
-            chunk = await self._call.read()
-        except asyncio.CancelledError:
-            # grpc.aio reports a call we cancelled ourselves as CancelledError; a
-            # cancelled task must still see its CancelledError.
-            if self._cancelled:
-                raise StopAsyncIteration from None
-            raise
-        except grpc.RpcError as error:
-            if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
-                raise StopAsyncIteration from None
-            raise error_from_rpc(error) from error
-        if chunk is grpc.aio.EOF:
-            raise StopAsyncIteration
-        return delta_from_chunk(chunk, time.monotonic())
+        while True:
+            try:
+                chunk = await self._call.read()
+            except asyncio.CancelledError:
+                # grpc.aio reports a call we cancelled ourselves as CancelledError; a
+                # cancelled task must still see its CancelledError.
+                if self._cancelled:
+                    raise StopAsyncIteration from None
+                raise
+            except grpc.RpcError as error:
+                if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
+                    raise StopAsyncIteration from None
+                if (self._restart is not None and self._next_index > 0 and self.reattached < MAX_REATTACH
+                        and error.code() == grpc.StatusCode.UNAVAILABLE):
+                    await asyncio.sleep(reattach_backoff_s(self.reattached))
+                    self.reattached += 1
+                    self._call = self._restart(self._next_index)
+                    continue
+                raise error_from_rpc(error) from error
+            if chunk is grpc.aio.EOF:
+                raise StopAsyncIteration
+            self._next_index = chunk.index + len(chunk.token_ids)
+            return delta_from_chunk(chunk, time.monotonic())
 
     def cancel(self) -> None:
         """Stop the call: the server sees the stream closed and frees the request."""
@@ -118,6 +130,7 @@ class AsyncClient:
         ignore_eos: bool = False,
         traffic_class: str = "interactive",
         request_id: str = "",
+        idempotency_key: str = "",
         deadline_s: float | None = None,
         timeout: float | None = None,
     ) -> AsyncDeltaStream:
@@ -126,11 +139,15 @@ class AsyncClient:
             prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
             model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            traffic_class=traffic_class, request_id=request_id,
+            traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
         )  # fmt: skip
         sent_at = time.monotonic()
         call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
-        return AsyncDeltaStream(call, sent_at)
+        restart = None
+        if idempotency_key:
+            def restart(index: int) -> grpc.aio.UnaryStreamCall:
+                return self._stub.Generate(resumed(request, index), timeout=grpc_timeout, metadata=self._metadata)
+        return AsyncDeltaStream(call, sent_at, restart)
 
     async def complete(
         self,
@@ -148,6 +165,7 @@ class AsyncClient:
         ignore_eos: bool = False,
         traffic_class: str = "interactive",
         request_id: str = "",
+        idempotency_key: str = "",
         deadline_s: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
@@ -156,7 +174,7 @@ class AsyncClient:
             prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
             model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            traffic_class=traffic_class, request_id=request_id,
+            traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
         )  # fmt: skip
         try:
             response = await self._stub.Complete(

@@ -11,8 +11,9 @@ Retries on UNAVAILABLE are gRPC's own, declared in the channel's service config
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -31,6 +32,22 @@ from ._convert import (
 )
 from ._types import Completion, Delta, ModelInfo
 from .errors import NotFound, error_from_rpc
+
+
+MAX_REATTACH = 5
+
+
+def reattach_backoff_s(attempt: int) -> float:
+    """Full-jitter exponential backoff before re-attaching a broken stream."""
+    return random.uniform(0, min(0.1 * 2**attempt, 2.0))
+
+
+def resumed(request: pb.GenerateRequest, index: int) -> pb.GenerateRequest:
+    """The same keyed request, asking only for tokens from `index` on."""
+    again = pb.GenerateRequest()
+    again.CopyFrom(request)
+    again.resume_from_index = index
+    return again
 
 
 def prepare_call(
@@ -59,22 +76,38 @@ class DeltaStream(Iterator[Delta]):
     ends without an error. Any other failure raises a TokenlineError.
     """
 
-    def __init__(self, call: Any, sent_at: float) -> None:
+    def __init__(self, call: Any, sent_at: float, restart: Callable[[int], Any] | None = None) -> None:
         self._call = call
         self._cancelled = False
         self.sent_at = sent_at
+        # With an idempotency key, a stream that breaks after it started re-attaches
+        # to the same run from the next token index: no token twice, none missing.
+        self._restart = restart
+        self._next_index = 0
+        self.reattached = 0
 
     def __iter__(self) -> DeltaStream:
         return self
 
     def __next__(self) -> Delta:
-        try:
-            chunk = next(self._call)
-        except grpc.RpcError as error:
-            if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
-                raise StopIteration from None
-            raise error_from_rpc(error) from error
-        return delta_from_chunk(chunk, time.monotonic())
+        while True:
+            try:
+                chunk = next(self._call)
+            except grpc.RpcError as error:
+                if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
+                    raise StopIteration from None
+                if self._can_reattach(error):
+                    time.sleep(reattach_backoff_s(self.reattached))
+                    self.reattached += 1
+                    self._call = self._restart(self._next_index)
+                    continue
+                raise error_from_rpc(error) from error
+            self._next_index = chunk.index + len(chunk.token_ids)
+            return delta_from_chunk(chunk, time.monotonic())
+
+    def _can_reattach(self, error: grpc.RpcError) -> bool:
+        return (self._restart is not None and self._next_index > 0 and self.reattached < MAX_REATTACH
+                and error.code() == grpc.StatusCode.UNAVAILABLE)
 
     def cancel(self) -> None:
         """Stop the call: the server sees the stream closed and frees the request."""
@@ -142,6 +175,7 @@ class Client:
         ignore_eos: bool = False,
         traffic_class: str = "interactive",
         request_id: str = "",
+        idempotency_key: str = "",
         deadline_s: float | None = None,
         timeout: float | None = None,
     ) -> DeltaStream:
@@ -157,11 +191,15 @@ class Client:
             prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
             model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            traffic_class=traffic_class, request_id=request_id,
+            traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
         )  # fmt: skip
         sent_at = time.monotonic()
         call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
-        return DeltaStream(call, sent_at)
+        restart = None
+        if idempotency_key:
+            def restart(index: int) -> Any:
+                return self._stub.Generate(resumed(request, index), timeout=grpc_timeout, metadata=self._metadata)
+        return DeltaStream(call, sent_at, restart)
 
     def complete(
         self,
@@ -179,6 +217,7 @@ class Client:
         ignore_eos: bool = False,
         traffic_class: str = "interactive",
         request_id: str = "",
+        idempotency_key: str = "",
         deadline_s: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
@@ -187,7 +226,7 @@ class Client:
             prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
             model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            traffic_class=traffic_class, request_id=request_id,
+            traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
         )  # fmt: skip
         try:
             response = self._stub.Complete(request, timeout=grpc_timeout, metadata=self._metadata)

@@ -45,6 +45,8 @@ def build_request(
     traffic_class: str = "interactive",
     request_id: str = "",
     deadline_unix_ms: int = 0,
+    idempotency_key: str = "",
+    resume_from_index: int = 0,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for one call. Raises ValueError on arguments no server would accept.
 
@@ -70,6 +72,8 @@ def build_request(
         model=model,
         traffic_class=_TRAFFIC_CLASSES[traffic_class],
         request_id=request_id,
+        idempotency_key=idempotency_key,
+        resume_from_index=resume_from_index,
         deadline_unix_ms=deadline_unix_ms,
         sampling=pb.SamplingParams(
             max_tokens=max_tokens,

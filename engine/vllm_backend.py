@@ -94,20 +94,16 @@ class VllmBackend:
         request_outputs = self.engine.step() if self._internal_id else []
         step_s = time.perf_counter() - t0
         scheduled = self.view.scheduled
-
-        outputs = []
-        for ro in request_outputs:
-            out = self._seq_output(ro)
-            if out is not None:
-                outputs.append(out)
         if scheduled is not None:
             batch_size, prefill_tokens = scheduled.batch_size, scheduled.prefill_tokens
             newly = [self._key_of.get(i) or _external_id(i) for i in scheduled.new_request_ids]
         else:  # internals unreadable: what the outputs show
             batch_size, prefill_tokens = len(request_outputs), 0
-            newly = [o.key for o in outputs]
+            newly = [ro.request_id for ro in request_outputs]
         first_scheduled = [k for k in newly if k not in self._seen_scheduled]
         self._seen_scheduled.update(first_scheduled)
+
+        outputs = [out for ro in request_outputs if (out := self._seq_output(ro)) is not None]
         for out in outputs:
             if out.finished:
                 self._forget(out.key)
@@ -165,7 +161,7 @@ def sampling_params(s: Sampling) -> SamplingParams:
         max_tokens=s.max_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
-        top_k=s.top_k if s.top_k > 0 else 0,  # 0: no top-k
+        top_k=max(s.top_k, 0),  # 0: no top-k
         seed=s.seed,
         stop=list(s.stop) or None,
         ignore_eos=s.ignore_eos,

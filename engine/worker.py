@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -25,11 +26,12 @@ from queue import SimpleQueue
 from typing import Any
 
 from tokenline.engine.config import WorkerConfig
-from tokenline.engine.types import Abort, Admit, Shutdown, WorkerFailed
+from tokenline.engine.types import Abort, Admit, Shutdown, StepReport, WorkerFailed
 
 log = logging.getLogger(__name__)
 
 FAULT_EXIT_CODE = 13  # the exit status of a worker that crashed on purpose (fault injection)
+IDLE_STEP_WAIT_S = 0.01  # after a step that scheduled nothing, wait this long for news first
 
 # Set before torch or vLLM is imported in the worker; setdefault lets an operator override.
 _WORKER_ENV_DEFAULTS = {
@@ -58,12 +60,22 @@ def worker_main(conn: Connection, worker_id: int, config: WorkerConfig) -> None:
     except Exception as e:  # a bad model folder, too little memory: say so, then exit
         log.error("worker %d could not start:\n%s", worker_id, traceback.format_exc())
         _send_quietly(conn, WorkerFailed(worker_id, f"{type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
+        _exit(1)
     conn.send(spec)
     try:
         StepLoop(conn, backend, fault_injection=config.fault_marker is not None).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the frontend is gone: nothing left to serve
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    # A spawned child ends with a full interpreter shutdown, which takes ~3 s
+    # with vLLM and torch loaded; the worker owns nothing that needs it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class StepLoop:
@@ -80,14 +92,17 @@ class StepLoop:
     def run(self) -> None:
         while not self.stopping:
             self.drain_inbox(block=not self.backend.has_work())
-            if self.stopping:
-                return
             if self.crash_pending:
                 os._exit(FAULT_EXIT_CODE)  # no cleanup, no goodbye: like a real crash
-            if self.backend.has_work():
-                report = self.backend.step()
-                report.applied_seq = self.applied_seq
-                self.conn.send(report)
+            if not self.stopping and self.backend.has_work():
+                self.step()
+
+    def step(self) -> None:
+        report = self.backend.step()
+        report.applied_seq = self.applied_seq
+        self.conn.send(report)
+        if _made_no_progress(report):
+            self.conn.poll(IDLE_STEP_WAIT_S)  # don't spin while the engine waits on something
 
     def drain_inbox(self, *, block: bool) -> None:
         if block:
@@ -108,6 +123,10 @@ class StepLoop:
             self.stopping = True
         else:
             log.warning("worker ignored a message it does not know: %r", type(msg).__name__)
+
+
+def _made_no_progress(report: StepReport) -> bool:
+    return report.batch_size == 0 and not (report.outputs or report.aborted or report.rejected)
 
 
 def _send_quietly(conn: Connection, msg: object) -> None:
@@ -202,15 +221,18 @@ class WorkerHandle:
         return self.exitcode
 
     def _read(self) -> None:
-        try:
-            while True:
+        while True:
+            try:
                 msg = self._conn.recv()
-                try:
-                    self._on_message(self.worker_id, msg)
-                except Exception:
-                    log.exception("on_message failed for worker %d", self.worker_id)
-        except (EOFError, OSError):
-            pass  # the worker's end closed: it exited or was killed
+            except (EOFError, OSError):
+                break  # the worker's end closed: it exited or was killed
+            except Exception:  # one message that would not unpickle; the stream is still framed
+                log.exception("unreadable message from worker %d", self.worker_id)
+                continue
+            try:
+                self._on_message(self.worker_id, msg)
+            except Exception:
+                log.exception("on_message failed for worker %d", self.worker_id)
         exitcode = self.join()
         self._outbox.put(None)  # let the writer go
         self._on_exit(self.worker_id, exitcode)

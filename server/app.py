@@ -8,7 +8,8 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+import pathlib
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,7 +17,9 @@ from grpc_reflection.v1alpha import reflection
 
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.server.auth import Authenticator
 from tokenline.server.catalog import ServedModel, load_served_model
+from tokenline.server.idempotency import IdempotencyStore
 from tokenline.server.convert import Limits
 from tokenline.server.runtime import Runtime
 from tokenline.server.servicer import TokenlineServicer, add_to_server
@@ -40,6 +43,12 @@ class ServeConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     fault_marker: str | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    api_keys_file: str | None = None  # JSON tenants file (see server/auth.py); None: no API keys
+    tls_cert: str | None = None  # PEM server certificate chain; with tls_key, serve TLS
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM CA: require client certificates (mutual TLS); tenant = CN
+    idempotency_db: str | None = None  # SQLite file; None: idempotency keys are refused
+    idempotency_ttl_s: float = 86_400.0
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -48,6 +57,10 @@ class ServeConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grace_s < 0:
             raise ValueError("grace_s must be >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
 
 
 async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop: asyncio.Event | None = None) -> int:
@@ -57,8 +70,6 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     """
     from tokenline.engine.models import model_version
 
-    import pathlib
-
     served: dict[str, ServedModel] = {}
     for wc, _ in config.models:
         path = pathlib.Path(wc.model_path)
@@ -66,7 +77,12 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         served[wc.model_name] = load_served_model(wc.model_name, path, version, wc.max_model_len)
     default_model = config.models[0][0].model_name
 
-    runtime = Runtime(config.scheduler, {wc.model_name: (wc, n) for wc, n in config.models})
+    auth = Authenticator(config.api_keys_file, client_certs=bool(config.tls_client_ca))
+    scheduler_config = config.scheduler
+    if auth.tenants:  # per-tenant quotas from the keys file feed the scheduler's limits
+        scheduler_config = replace(scheduler_config, tenants={**scheduler_config.tenants, **auth.quotas()})
+    idempotency = IdempotencyStore(config.idempotency_db, config.idempotency_ttl_s) if config.idempotency_db else None
+    runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models})
     telemetry = telemetry or Telemetry(config.telemetry)
     telemetry.watch(runtime, default_model)
     try:
@@ -82,13 +98,25 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         ("grpc.so_reuseport", 0),
     ])
     servicer = TokenlineServicer(runtime, served, default_model, config.limits, fault_marker=config.fault_marker,
+                                 auth=auth, idempotency=idempotency,
                                  on_done=telemetry.on_request_done, on_refused=telemetry.on_refused)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert:
+        credentials = grpc.ssl_server_credentials(
+            [(pathlib.Path(config.tls_key).read_bytes(), pathlib.Path(config.tls_cert).read_bytes())],
+            root_certificates=pathlib.Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None,
+            require_client_auth=bool(config.tls_client_ca),
+        )
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    if not auth.enabled:
+        log.warning("authentication is OFF: every caller is tenant %r (give --api-keys or --tls-client-ca to turn it on)", "default")
     await server.start()
     print(f"tokenline: listening on {config.host}:{port} (default model {default_model}); loading workers…", flush=True)
     if telemetry.metrics_address is not None:
@@ -98,6 +126,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if auth.keys_file is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload_keys(auth, runtime))
 
     ready = asyncio.ensure_future(_await_ready(runtime, served, config.ready_timeout_s))
     stopper = asyncio.ensure_future(stop.wait())
@@ -122,9 +152,21 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         await asyncio.sleep(0.05)
     await server.stop(max(end - time.monotonic(), 0.0))
     await runtime.close()
+    if idempotency is not None:
+        idempotency.close()
     await asyncio.to_thread(telemetry.shutdown)
     print("tokenline: stopped", flush=True)
     return status
+
+
+def _reload_keys(auth: Authenticator, runtime: Runtime) -> None:
+    try:
+        auth.reload()
+    except ValueError as err:
+        log.error("keys file not reloaded, keeping the previous one: %s", err)
+        return
+    sched = runtime.scheduler
+    sched.config = replace(sched.config, tenants={**sched.config.tenants, **auth.quotas()})
 
 
 async def _await_ready(runtime: Runtime, served: dict[str, ServedModel], timeout: float) -> bool:

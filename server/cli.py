@@ -41,6 +41,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace-s", type=float, default=30.0, help="drain period on SIGTERM (default %(default)s)")
     p.add_argument("--fault-marker", default=None, help="TESTING ONLY: a worker crashes on a prompt containing this text")
     p.add_argument("--log-level", default="INFO", help="log level (default %(default)s)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="JSON file of tenants and hashed API keys (see 'tokenline keys'); reloaded on change and SIGHUP")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certificates; tenant = certificate CN")
+    p.add_argument("--idempotency-db", default=None, metavar="PATH",
+                   help="SQLite file for idempotency keys (default: <cache>/idempotency.sqlite3; 'off' disables)")
+    p.add_argument("--idempotency-ttl-s", type=float, default=86_400.0, help="how long results are kept (default one day)")
     p.add_argument("--request-log-level", default="INFO",
                    help="level of the one key=value line per finished request, or OFF (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -73,6 +81,9 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         config = ServeConfig(host=args.host, port=args.port, models=((worker, args.workers),), scheduler=sched,
                              grace_s=args.grace_s, fault_marker=args.fault_marker,
+                             api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                             tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db),
+                             idempotency_ttl_s=args.idempotency_ttl_s,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:
@@ -81,6 +92,39 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)
+
+
+def _idempotency_db(value: str | None) -> str | None:
+    from tokenline.engine.models import cache_dir
+
+    if value == "off":
+        return None
+    return value or str(cache_dir() / "idempotency.sqlite3")
+
+
+def add_keys_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keys", help="make API keys for --api-keys files",
+                       epilog="example:\n  tokenline keys new --tenant acme   # prints a key (give it to the caller) and its file entry",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ks = p.add_subparsers(dest="keys_command", required=True)
+    new = ks.add_parser("new", help="a fresh API key and the keys-file entry with its hash")
+    new.add_argument("--tenant", required=True)
+    h = ks.add_parser("hash", help="the hash of an existing key, as the keys file stores it")
+    h.add_argument("key")
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    import json
+
+    from tokenline.server.auth import hash_key, new_key
+
+    if args.keys_command == "new":
+        key = new_key()
+        print(f"key (give this to the caller; it is not stored): {key}")
+        print(json.dumps({"tenants": {args.tenant: {"keys": [hash_key(key)]}}}, indent=2))
+    else:
+        print(hash_key(args.key))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_generate_parser(sub)
+    add_keys_parser(sub)
     try:
         from tokenline.bench.cli import add_bench_parser
     except ImportError:
@@ -107,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "keys":
+        return run_keys(args)
     if args.command == "generate":
         from tokenline.client.cli import run_generate
 

@@ -67,14 +67,21 @@ def validate(req: pb.GenerateRequest, models: dict[str, ServedModel], default_mo
     return ValidRequest(model, prompt_ids, sampling, cls, request_id, req.deadline_unix_ms)
 
 
-def _request_id(rid: str) -> str:
+def _request_id(rid: str, field: str = "request_id") -> str:
     if len(rid) > MAX_REQUEST_ID_LEN:
-        raise InvalidRequest(f"request_id is {len(rid)} characters; at most {MAX_REQUEST_ID_LEN} are allowed")
+        raise InvalidRequest(f"{field} is {len(rid)} characters; at most {MAX_REQUEST_ID_LEN} are allowed")
     if rid and not set(rid) <= _PRINTABLE:
-        raise InvalidRequest("request_id must be printable ASCII (no spaces control characters or non-ASCII)")
+        raise InvalidRequest(f"{field} must be printable ASCII (no control characters or non-ASCII)")
     if rid != rid.strip():
-        raise InvalidRequest("request_id must not start or end with spaces")
+        raise InvalidRequest(f"{field} must not start or end with spaces")
     return rid
+
+
+def idempotency_key(req: pb.GenerateRequest) -> str:
+    key = _request_id(req.idempotency_key, "idempotency_key")
+    if req.resume_from_index and not key:
+        raise InvalidRequest("resume_from_index needs an idempotency_key (only keyed requests can be resumed)")
+    return key
 
 
 def _traffic_class(value: int) -> TrafficClass:

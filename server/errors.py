@@ -9,6 +9,7 @@
     ├── DeadlineUnmeetable            DEADLINE_EXCEEDED: cannot finish in time / deadline passed
     ├── Unavailable                   UNAVAILABLE: draining, no worker, attempts spent
     ├── Quarantined                   FAILED_PRECONDITION: this request keeps crashing workers
+    ├── IdempotencyMismatch           FAILED_PRECONDITION: key reused for different work
     └── Unauthenticated               UNAUTHENTICATED: missing or wrong credentials
 
 Messages are for the caller: they say what to change, never how the server is built.
@@ -57,6 +58,10 @@ class Unavailable(ServingError):
 
 
 class Quarantined(ServingError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class IdempotencyMismatch(ServingError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 

@@ -23,7 +23,7 @@ from tokenline.engine.scheduler.core import Scheduler
 from tokenline.engine.scheduler.records import Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StopRun
 from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, Shutdown, StepReport, TrafficClass, WorkerFailed, WorkerSpec, WorkItem
 from tokenline.engine.worker import WorkerHandle
-from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, Overloaded, Quarantined, ServingError, Unavailable
+from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, InvalidRequest, Overloaded, Quarantined, ServingError, Unavailable
 from tokenline.server.timeline import Timeline
 
 log = logging.getLogger("tokenline.runtime")
@@ -54,22 +54,45 @@ class RequestState:
     run_key: str | None = None
     worker_id: int | None = None
     token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # per token, so a stream can resume at any index
     finish_reason: FinishReason | None = None
     error: ServingError | None = None
     done: bool = False
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     fault_marker: bool = False
+    idempotency_key: str = ""
+    # One mailbox per caller following this run (a retry with the same idempotency key attaches).
+    subscribers: list[asyncio.Queue] = field(default_factory=list)
+
+    def subscribe(self, from_index: int = 0) -> asyncio.Queue:
+        """A new mailbox, primed with what was produced after `from_index` so far."""
+        q: asyncio.Queue = asyncio.Queue()
+        if len(self.token_ids) > from_index:
+            q.put_nowait(Chunk(from_index, self.token_ids[from_index:], "".join(self.text[from_index:]), self.attempt))
+        if self.done:
+            q.put_nowait(_END)
+        self.subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> int:
+        """Forget a mailbox; returns how many callers still follow the run."""
+        if q in self.subscribers:
+            self.subscribers.remove(q)
+        return len(self.subscribers)
 
     def emit(self, item: object) -> None:
-        self.events.put_nowait(item)
+        for q in self.subscribers:
+            q.put_nowait(item)
 
     @property
     def fingerprint(self) -> str:
-        """What makes two requests the same work: model, prompt tokens and sampling."""
-        h = hashlib.sha256(f"{self.model}|{self.sampling!r}|".encode())
-        h.update(",".join(map(str, self.prompt_ids)).encode())
-        return h.hexdigest()
+        return fingerprint(self.model, self.sampling, self.prompt_ids)
+
+
+def fingerprint(model: str, sampling: Sampling, prompt_ids: list[int]) -> str:
+    """Canonical hash of what makes two requests the same work: model, prompt tokens and sampling."""
+    h = hashlib.sha256(f"{model}|{sampling!r}|".encode())
+    h.update(",".join(map(str, prompt_ids)).encode())
+    return h.hexdigest()
 
 
 _END = object()  # sentinel in a request's mailbox: finished (or failed, see .error)
@@ -97,6 +120,7 @@ class Runtime:
         self.quarantine_s = quarantine_s
         self._quarantined: dict[str, float] = {}  # fingerprint -> refused until (monotonic)
         self.on_step: list[Callable[[StepReport], None]] = []
+        self.on_finished: list[Callable[[RequestState], None]] = []  # every request, once, when it ends
         self.on_action: list[Callable[[object], None]] = []  # each scheduler action, once carried out
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -196,23 +220,37 @@ class Runtime:
         self._finish(state, FinishReason.CANCELLED)
         return True
 
-    async def events(self, state: RequestState):
-        """Chunks as they come (coalesced when the reader falls behind), then the end."""
+    async def events(self, state: RequestState, mailbox: asyncio.Queue, from_index: int = 0):
+        """Chunks from token `from_index` on, as they come (coalesced when the reader falls behind), then the end."""
         while True:
-            item = await state.events.get()
+            item = await mailbox.get()
             if item is _END:
                 if state.error is not None:
                     raise state.error
                 return
-            chunk: Chunk = item
-            while not state.events.empty():
-                nxt = state.events.get_nowait()
+            if item.index + len(item.token_ids) <= from_index:
+                continue  # a resumed stream already has these
+            if item.index < from_index:
+                end = item.index + len(item.token_ids)
+                item = Chunk(from_index, state.token_ids[from_index:end], "".join(state.text[from_index:end]), item.attempt)
+            chunk = Chunk(item.index, list(item.token_ids), item.text, item.attempt)  # shared: never mutate
+            while not mailbox.empty():
+                nxt = mailbox.get_nowait()
                 if nxt is _END or nxt.attempt != chunk.attempt:
-                    state.events._queue.appendleft(nxt)  # type: ignore[attr-defined]
+                    mailbox._queue.appendleft(nxt)  # type: ignore[attr-defined]
                     break
                 chunk.token_ids.extend(nxt.token_ids)
                 chunk.text += nxt.text
             yield chunk
+
+    def leave(self, state: RequestState, mailbox: asyncio.Queue) -> None:
+        """A caller went away: the run stops when nobody follows it any more.
+
+        A run with an idempotency key goes on (to its deadline) so that a caller
+        whose stream broke can re-attach, or collect the stored result.
+        """
+        if state.unsubscribe(mailbox) == 0 and not state.done and not state.idempotency_key:
+            self.cancel(state.key)
 
     # ------------------------------------------------------------ internals
 
@@ -222,6 +260,10 @@ class Runtime:
             st = self.by_run.get(key)
             if st is not None and st.timeline.first_scheduled is None:
                 st.timeline.first_scheduled = now
+        for key, reason in report.rejected.items():
+            st = self.by_run.get(key)
+            if st is not None and not st.done:
+                self._finish(st, None, InvalidRequest(f"the engine refused the request: {reason}"))
         for out in report.outputs:
             st = self.by_run.get(out.key)
             if st is None or st.done or st.run_key != out.key:
@@ -231,7 +273,7 @@ class Runtime:
                 st.timeline.on_tokens(now, len(out.new_token_ids))
                 index = len(st.token_ids)
                 st.token_ids.extend(out.new_token_ids)
-                st.text.append(out.text)
+                st.text.extend([""] * (len(out.new_token_ids) - 1) + [out.text])
                 st.emit(Chunk(index, list(out.new_token_ids), out.text, st.attempt))
             if out.finished:
                 self._finish(st, out.finish_reason or FinishReason.STOP)
@@ -251,6 +293,8 @@ class Runtime:
         self.requests.pop(st.key, None)
         self.stats.completed += 1
         st.emit(_END)
+        for hook in self.on_finished:
+            hook(st)
 
     def _handle(self, actions: list) -> None:
         now = time.monotonic()
@@ -368,7 +412,5 @@ def _refusal_error(a: Refuse) -> ServingError:
     if a.reason == Refusal.DUPLICATE:
         return DuplicateRequest(a.message)
     if a.reason == Refusal.TOO_LARGE:
-        from tokenline.server.errors import InvalidRequest
-
         return InvalidRequest(a.message)
     return Unavailable(a.message, retry_after_s=a.retry_after_s)

@@ -7,33 +7,37 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
+from tokenline.engine.types import FinishReason
 from tokenline.server import convert
+from tokenline.server.auth import DEFAULT_TENANT, Authenticator
 from tokenline.server.catalog import ServedModel
 from tokenline.server.errors import (
     DeadlineUnmeetable,
+    IdempotencyMismatch,
     InvalidRequest,
     RequestNotFound,
     ServingError,
     Unavailable,
     abort_with,
 )
-from tokenline.server.runtime import RequestState, Runtime
+from tokenline.server.idempotency import IdempotencyStore
+from tokenline.server.runtime import RequestState, Runtime, fingerprint
 from tokenline.server.timeline import Timeline
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tokenline.requests")
 
-DEFAULT_TENANT = "default"
-
 
 class TokenlineServicer(pb_grpc.TokenlineServicer):
     def __init__(self, runtime: Runtime, models: dict[str, ServedModel], default_model: str, limits: convert.Limits,
                  *, fault_marker: str | None = None, on_done: Callable[[RequestState, str], None] | None = None,
-                 on_refused: Callable[[pb.GenerateRequest, ServingError, str], None] | None = None):
+                 on_refused: Callable[[pb.GenerateRequest, ServingError, str], None] | None = None,
+                 auth: Authenticator | None = None, idempotency: IdempotencyStore | None = None):
         self.runtime = runtime
         self.models = models
         self.default_model = default_model
@@ -42,75 +46,93 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         self.fault_marker = fault_marker
         self.on_done = on_done
         self.on_refused = on_refused  # a call that ended before it reached the runtime
+        self.auth = auth or Authenticator()
+        self.idempotency = idempotency
+        self._live_keys: dict[tuple[str, str], RequestState] = {}  # (tenant, idempotency key) -> running request
         self.inflight = 0
+        runtime.on_finished.append(self._store_result)
 
     # ---------------------------------------------------------------- RPCs
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         received = time.monotonic()
         self.inflight += 1
-        state: RequestState | None = None
+        call: _Call | None = None
         outcome = "error"
+        tenant = DEFAULT_TENANT
         try:
-            state = self._start(request, context, received)
-            async for chunk in self.runtime.events(state):
+            tenant = self._tenant(context)
+            call = self._start(request, context, received, tenant)
+            if call.replay is not None:
+                for chunk in _replay_chunks(call.replay, request.resume_from_index):
+                    yield chunk
+                outcome = "replayed"
+                return
+            state = call.state
+            async for chunk in self.runtime.events(state, call.mailbox, request.resume_from_index):
                 yield pb.GenerateChunk(request_id=state.request_id, attempt=chunk.attempt, index=chunk.index,
                                        token_ids=chunk.token_ids, text=chunk.text)
             state.timeline.last_byte = time.monotonic()
-            yield self._final_chunk(state)
+            yield _final_chunk(state)
             state.timeline.last_byte = time.monotonic()
             outcome = _outcome(state)
         except ServingError as err:
             outcome = type(err).__name__
-            if state is None and self.on_refused is not None:
-                self.on_refused(request, err, DEFAULT_TENANT)
+            if call is None and self.on_refused is not None:
+                self.on_refused(request, err, tenant)
             await abort_with(context, err)
         except asyncio.CancelledError:
             outcome = "disconnected"
-            if state is not None:
-                self.runtime.cancel(state.key)
+            if call is not None and call.state is not None:
+                self.runtime.leave(call.state, call.mailbox)
             raise
         finally:
             self.inflight -= 1
-            if state is not None and self.on_done is not None:
-                self.on_done(state, outcome)
+            if call is not None and call.owner and self.on_done is not None:
+                self.on_done(call.state, outcome)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         received = time.monotonic()
         self.inflight += 1
-        state: RequestState | None = None
+        call: _Call | None = None
         outcome = "error"
+        tenant = DEFAULT_TENANT
         try:
-            state = self._start(request, context, received)
-            async for _ in self.runtime.events(state):
+            tenant = self._tenant(context)
+            call = self._start(request, context, received, tenant)
+            if call.replay is not None:
+                outcome = "replayed"
+                return call.replay
+            state = call.state
+            async for _ in self.runtime.events(state, call.mailbox):
                 pass
             state.timeline.last_byte = time.monotonic()
             outcome = _outcome(state)
-            return pb.CompleteResponse(
-                request_id=state.request_id, attempt=state.attempt, token_ids=state.token_ids, text="".join(state.text),
-                finish_reason=convert.finish_reason(state.finish_reason),
-                usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
-                timeline=convert.timeline_pb(state.timeline),
-            )
+            return _complete_response(state)
         except ServingError as err:
             outcome = type(err).__name__
-            if state is None and self.on_refused is not None:
-                self.on_refused(request, err, DEFAULT_TENANT)
+            if call is None and self.on_refused is not None:
+                self.on_refused(request, err, tenant)
             await abort_with(context, err)
         except asyncio.CancelledError:
             outcome = "disconnected"
-            if state is not None:
-                self.runtime.cancel(state.key)
+            if call is not None and call.state is not None:
+                self.runtime.leave(call.state, call.mailbox)
             raise
         finally:
             self.inflight -= 1
-            if state is not None and self.on_done is not None:
-                self.on_done(state, outcome)
+            if call is not None and call.owner and self.on_done is not None:
+                self.on_done(call.state, outcome)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         if request is MALFORMED:
             await abort_with(context, InvalidRequest("the request message could not be parsed as a tokenline.v1.CancelRequest"))
-        key = _key(DEFAULT_TENANT, request.request_id)
+        try:
+            tenant = self._tenant(context)
+        except ServingError as err:
+            await abort_with(context, err)
+        # Another tenant's request is indistinguishable from no request at all.
+        key = _key(tenant, request.request_id)
         if not request.request_id or not self.runtime.cancel(key):
             await abort_with(context, RequestNotFound(f"no request {request.request_id!r} is queued or running"))
         return pb.CancelResponse(cancelled=True)
@@ -118,6 +140,10 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         if request is MALFORMED:
             await abort_with(context, InvalidRequest("the request message could not be parsed as a tokenline.v1.ListModelsRequest"))
+        try:
+            self._tenant(context)
+        except ServingError as err:
+            await abort_with(context, err)
         out = []
         for m in self.models.values():
             workers = sum(1 for s in self.runtime.specs.values() if s.model == m.name)
@@ -127,32 +153,122 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
 
     # ------------------------------------------------------------- helpers
 
-    def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float) -> RequestState:
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        if not self.auth.enabled:
+            return DEFAULT_TENANT
+        common_name = None
+        if self.auth.client_certs:
+            names = context.auth_context().get("x509_common_name") or []
+            common_name = names[0].decode() if names else None
+        return self.auth.tenant(tuple(context.invocation_metadata() or ()), common_name)
+
+    def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float, tenant: str) -> _Call:
         if request is MALFORMED:
             raise InvalidRequest("the request message could not be parsed as a tokenline.v1.GenerateRequest")
         if self.draining:
             raise Unavailable("the server is draining for shutdown; retry on another instance")
         valid = convert.validate(request, self.models, self.default_model, self.limits)
+        key = convert.idempotency_key(request)
         now = time.monotonic()
         deadline = _deadline(context, valid.deadline_unix_ms, now)
         if deadline is not None and deadline <= now:
             raise DeadlineUnmeetable("the request's deadline has already passed")
+        print_ = fingerprint(valid.model.name, valid.sampling, valid.prompt_ids)
+        if key:
+            found = self._find_keyed(tenant, key, print_, request.resume_from_index)
+            if found is not None:
+                return found
         request_id = valid.request_id or uuid.uuid4().hex
         timeline = Timeline(received=received, validated=now)
         marker = bool(self.fault_marker) and request.WhichOneof("prompt") == "text" and self.fault_marker in request.text
-        state = RequestState(key=_key(DEFAULT_TENANT, request_id), request_id=request_id, tenant=DEFAULT_TENANT,
+        state = RequestState(key=_key(tenant, request_id), request_id=request_id, tenant=tenant,
                              model=valid.model.name, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
-                             timeline=timeline, deadline=deadline, fault_marker=marker)
-        self.runtime.submit(state)
-        return state
+                             timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key)
+        mailbox = state.subscribe()
+        if key and self.idempotency is not None:
+            self.idempotency.begin(tenant, key, print_)
+        try:
+            self.runtime.submit(state)
+        except ServingError:
+            if key and self.idempotency is not None:
+                self.idempotency.abandon(tenant, key)
+            raise
+        if key:
+            self._live_keys[(tenant, key)] = state
+        return _Call(state=state, mailbox=mailbox, owner=True)
 
-    def _final_chunk(self, state: RequestState) -> pb.GenerateChunk:
-        return pb.GenerateChunk(
-            request_id=state.request_id, attempt=state.attempt, index=len(state.token_ids),
-            finish_reason=convert.finish_reason(state.finish_reason),
-            usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
-            timeline=convert.timeline_pb(state.timeline),
-        )
+    def _find_keyed(self, tenant: str, key: str, print_: str, resume_from: int) -> _Call | None:
+        """A run or a stored result for this idempotency key, or None to generate."""
+        live = self._live_keys.get((tenant, key))
+        if live is not None:
+            if live.fingerprint != print_:
+                raise IdempotencyMismatch(_mismatch(key))
+            return _Call(state=live, mailbox=live.subscribe(resume_from), owner=False)
+        if self.idempotency is None:
+            return None
+        stored = self.idempotency.lookup(tenant, key)
+        if stored is None:
+            return None
+        if stored.fingerprint != print_:
+            raise IdempotencyMismatch(_mismatch(key))
+        if stored.status == "done" and stored.result is not None:
+            return _Call(replay=pb.CompleteResponse.FromString(stored.result))
+        return None  # a run that died with an earlier server process: generate again
+
+    def _store_result(self, state: RequestState) -> None:
+        if not state.idempotency_key:
+            return
+        self._live_keys.pop((state.tenant, state.idempotency_key), None)
+        if self.idempotency is None:
+            return
+        if state.error is None and state.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING):
+            self.idempotency.complete(state.tenant, state.idempotency_key, _complete_response(state).SerializeToString())
+        else:
+            self.idempotency.abandon(state.tenant, state.idempotency_key)
+
+
+
+@dataclass
+class _Call:
+    """What a Generate/Complete call follows: a live run (its own or attached), or a stored result."""
+
+    state: RequestState | None = None
+    mailbox: asyncio.Queue | None = None
+    owner: bool = False
+    replay: pb.CompleteResponse | None = None
+
+
+def _mismatch(key: str) -> str:
+    return (f"idempotency key {key!r} was used for a different request (model, prompt or sampling differ); "
+            "use a new key for new work")
+
+
+def _final_chunk(state: RequestState) -> pb.GenerateChunk:
+    return pb.GenerateChunk(
+        request_id=state.request_id, attempt=state.attempt, index=len(state.token_ids),
+        finish_reason=convert.finish_reason(state.finish_reason),
+        usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
+        timeline=convert.timeline_pb(state.timeline),
+    )
+
+
+def _complete_response(state: RequestState) -> pb.CompleteResponse:
+    return pb.CompleteResponse(
+        request_id=state.request_id, attempt=state.attempt, token_ids=state.token_ids, text="".join(state.text),
+        finish_reason=convert.finish_reason(state.finish_reason),
+        usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
+        timeline=convert.timeline_pb(state.timeline),
+    )
+
+
+def _replay_chunks(result: pb.CompleteResponse, resume_from: int):
+    """A stored result as a stream: the tokens after `resume_from` in one chunk, then the final chunk."""
+    if resume_from < len(result.token_ids):
+        yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=resume_from,
+                               token_ids=result.token_ids[resume_from:],
+                               text=result.text if resume_from == 0 else "")
+    yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=len(result.token_ids),
+                           finish_reason=result.finish_reason, usage=result.usage, timeline=result.timeline)
 
 
 class _Malformed:

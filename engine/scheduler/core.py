@@ -177,6 +177,12 @@ class Scheduler:
         w.last_batch = report.batch_size
         w.kv_blocks_free_reported = report.kv_blocks_free
         step = w.estimator.step_s(max(len(w.running), 1))
+        for key in report.rejected:
+            e = w.running.get(key)
+            if e is not None:  # the engine refused it (its reason goes to the caller): it never runs
+                self._release(e)
+                transition(e, Status.FAILED)
+                self._forget(e)
         for out in report.outputs:
             e = w.running.get(out.key)
             if e is None:

@@ -1,0 +1,404 @@
+"""Workers: the step loop in its own process, over the real vLLM engine and the simulator.
+
+Behaviour a worker promises whatever its backend is tested on both (the vLLM
+runs are marked `engine`); what only the simulator promises (its cost model,
+static batching) is tested on SimBackend directly, in virtual time.
+The tiny model's text is gibberish: assertions are on token counts and ids.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.models import build_tiny_model
+from tokenline.engine.sim_backend import SimBackend
+from tokenline.engine.types import (
+    Abort,
+    Admit,
+    FinishReason,
+    Sampling,
+    SeqOutput,
+    StepReport,
+    WorkerFailed,
+    WorkerSpec,
+    WorkItem,
+)
+from tokenline.engine.worker import FAULT_EXIT_CODE, WorkerHandle
+
+WAIT_S = 120.0  # a bound on hangs, not a speed requirement
+BACKENDS = ["sim", pytest.param("vllm", marks=pytest.mark.engine)]
+GREEDY = Sampling(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def tiny_config(model: Path, backend: str, **overrides) -> WorkerConfig:
+    settings = dict(kv_cache_bytes=64 << 20, max_seqs=16, max_model_len=2048, block_size=128)
+    settings.update(overrides)
+    return WorkerConfig(model_path=str(model), model_name="tiny", backend=backend, **settings)
+
+
+class RunningWorker:
+    """A WorkerHandle whose callbacks feed a queue the test reads."""
+
+    def __init__(self, config: WorkerConfig, worker_id: int = 0):
+        self.messages: queue.Queue = queue.Queue()
+        self.exits: queue.Queue = queue.Queue()
+        self.handle = WorkerHandle(worker_id, config, self._on_message, self._on_exit).start()
+        self.spec = self.next_message()
+        if isinstance(self.spec, WorkerFailed):
+            raise RuntimeError(f"worker failed to start: {self.spec.message}")
+        assert isinstance(self.spec, WorkerSpec)
+        self._seq = 0
+
+    def _on_message(self, worker_id: int, msg: object) -> None:
+        self.messages.put(msg)
+
+    def _on_exit(self, worker_id: int, exitcode: int | None) -> None:
+        self.exits.put(exitcode)
+
+    def next_message(self) -> object:
+        return self.messages.get(timeout=WAIT_S)
+
+    def admit(self, *items: WorkItem) -> int:
+        self._seq += 1
+        self.handle.send(Admit(self._seq, items))
+        return self._seq
+
+    def reports_until(self, done) -> list[StepReport]:
+        """Collect step reports until `done(reports)` holds."""
+        reports: list[StepReport] = []
+        while not done(reports):
+            msg = self.next_message()
+            assert isinstance(msg, StepReport)
+            reports.append(msg)
+        return reports
+
+    def run(self, *items: WorkItem) -> tuple[dict[str, list[SeqOutput]], list[StepReport]]:
+        """Admit items and collect until every one has finished or was refused."""
+        self.admit(*items)
+        keys = {i.key for i in items}
+        reports = self.reports_until(lambda rs: keys <= settled(rs))
+        return outputs_by_key(reports), reports
+
+    def wait_exit(self) -> int | None:
+        return self.exits.get(timeout=WAIT_S)
+
+
+def settled(reports: list[StepReport]) -> set[str]:
+    keys = {o.key for r in reports for o in r.outputs if o.finished}
+    return keys | {k for r in reports for k in r.aborted} | {k for r in reports for k in r.rejected}
+
+
+def outputs_by_key(reports: list[StepReport]) -> dict[str, list[SeqOutput]]:
+    by_key: dict[str, list[SeqOutput]] = {}
+    for r in reports:
+        for o in r.outputs:
+            by_key.setdefault(o.key, []).append(o)
+    return by_key
+
+
+def tokens(outputs: list[SeqOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def item(key: str, prompt: tuple[int, ...] = tuple(range(10, 42)), sampling: Sampling = GREEDY, **kw) -> WorkItem:
+    return WorkItem(key=key, prompt_token_ids=prompt, sampling=sampling, **kw)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def worker(request, tiny_model):
+    w = RunningWorker(tiny_config(tiny_model, request.param))
+    yield w
+    w.handle.terminate(timeout=30)
+
+
+# ------------------------------------------------------------------ any backend
+
+
+def test_worker_reports_what_it_can_hold_when_ready(worker):
+    spec = worker.spec
+    assert spec.model == "tiny"
+    assert spec.kv_blocks_total > 0 and spec.block_size == 128
+    assert spec.max_seqs == 16 and spec.max_model_len == 2048
+    assert spec.vocab_size > 0 and spec.eos_token_id is not None
+    assert spec.pid == worker.handle.pid
+    assert len(spec.model_version) == 12
+
+
+def test_tokens_arrive_incrementally_over_several_steps(worker):
+    outputs, _ = worker.run(item("incremental#0"))
+    with_tokens = [o for o in outputs["incremental#0"] if o.new_token_ids]
+    assert len(with_tokens) > 1
+    assert len(tokens(outputs["incremental#0"])) == 16
+
+
+def test_ignore_eos_gives_exactly_max_tokens(worker):
+    sampling = Sampling(max_tokens=37, temperature=0.0, ignore_eos=True)
+    outputs, _ = worker.run(item("exact#0", sampling=sampling))
+    assert len(tokens(outputs["exact#0"])) == 37
+    final = outputs["exact#0"][-1]
+    assert final.finished and final.finish_reason == FinishReason.LENGTH
+    assert sum(o.finished for o in outputs["exact#0"]) == 1
+
+
+def test_greedy_decoding_is_deterministic_for_the_same_prompt(worker):
+    # One at a time: a different batch shape may round differently, and the
+    # tiny random model's logits are near ties.
+    first, _ = worker.run(item("same-a#0"))
+    second, _ = worker.run(item("same-b#0"))
+    assert tokens(first["same-a#0"]) == tokens(second["same-b#0"])
+    assert "".join(o.text for o in first["same-a#0"]) == "".join(o.text for o in second["same-b#0"])
+
+
+def test_generation_ends_at_a_stop_string_which_is_left_out_of_the_text(worker):
+    sampling = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, _ = worker.run(item("unstopped#0", sampling=sampling))
+    text = "".join(o.text for o in plain["unstopped#0"])
+    middle = len(text) // 2
+    stop = next(text[i : i + 3] for i in range(middle, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    stopped, _ = worker.run(item("stopped#0", sampling=replace(sampling, stop=(stop,))))
+    assert "".join(o.text for o in stopped["stopped#0"]) == text[: text.find(stop)]
+    assert stopped["stopped#0"][-1].finish_reason == FinishReason.STOP_STRING
+    assert len(tokens(stopped["stopped#0"])) < 24
+
+
+def test_each_report_carries_the_latest_admission_it_applied(worker):
+    seq = worker.admit(item("stamped#0", sampling=Sampling(max_tokens=3, temperature=0.0, ignore_eos=True)))
+    reports = worker.reports_until(lambda rs: "stamped#0" in settled(rs))
+    assert all(r.applied_seq == seq for r in reports)
+
+
+def test_first_scheduling_and_prefill_are_reported_once(worker):
+    prompt = tuple(range(5, 105))
+    _, reports = worker.run(item("first#0", prompt=prompt, sampling=Sampling(max_tokens=4, temperature=0.0, ignore_eos=True)))
+    assert sum(r.first_scheduled.count("first#0") for r in reports) == 1
+    assert sum(r.prefill_tokens for r in reports) == len(prompt)
+    assert all(r.batch_size >= 1 for r in reports if r.outputs)
+
+
+def test_abort_mid_generation_frees_all_kv_blocks(worker):
+    long = Sampling(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    worker.admit(item("aborted#0", prompt=tuple(range(10, 300)), sampling=long))
+    busy = worker.reports_until(lambda rs: len(tokens(outputs_by_key(rs).get("aborted#0", []))) >= 3)
+    assert busy[-1].kv_blocks_free < worker.spec.kv_blocks_total
+    worker.handle.send(Abort(("aborted#0",)))
+    reports = worker.reports_until(lambda rs: "aborted#0" in settled(rs))
+    last = reports[-1]
+    assert last.aborted == ["aborted#0"]
+    assert last.kv_blocks_free == worker.spec.kv_blocks_total
+    assert last.running == 0 and last.waiting == 0
+    assert not any(o.finished for r in reports for o in r.outputs if o.key == "aborted#0")
+
+
+def test_an_item_the_engine_refuses_is_reported_and_the_worker_keeps_serving(worker):
+    outputs, reports = worker.run(item("refused#0", prompt=(10, 10**7)), item("fine#0"))
+    refused = {k: why for r in reports for k, why in r.rejected.items()}
+    assert "refused#0" in refused and refused["refused#0"]
+    assert "refused#0" not in outputs
+    assert len(tokens(outputs["fine#0"])) == 16
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_worker_killed_with_sigkill_is_reported_exited(tiny_model, backend):
+    w = RunningWorker(tiny_config(tiny_model, backend))
+    w.admit(item("victim#0", sampling=Sampling(max_tokens=1000, temperature=0.0, ignore_eos=True)))
+    w.next_message()  # it is mid-generation
+    w.handle.kill()
+    assert w.wait_exit() == -signal.SIGKILL
+    assert not w.handle.is_alive()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_fault_marker_makes_the_worker_process_exit(tiny_model, backend):
+    w = RunningWorker(tiny_config(tiny_model, backend, fault_marker="<<crash>>"))
+    w.admit(item("doomed#0", fault_marker=True))
+    assert w.wait_exit() == FAULT_EXIT_CODE
+
+
+def test_the_fault_flag_is_ignored_when_fault_injection_is_off(tiny_model):
+    w = RunningWorker(tiny_config(tiny_model, "sim"))
+    outputs, _ = w.run(item("harmless#0", fault_marker=True))
+    assert len(tokens(outputs["harmless#0"])) == 16
+    assert w.handle.terminate(timeout=30) == 0
+    assert w.wait_exit() == 0
+
+
+@pytest.mark.engine
+def test_a_worker_that_cannot_load_its_model_says_why(tmp_path):
+    messages: queue.Queue = queue.Queue()
+    exits: queue.Queue = queue.Queue()
+    config = WorkerConfig(model_path=str(tmp_path / "missing"), model_name="x", backend="vllm")
+    WorkerHandle(0, config, lambda _wid, msg: messages.put(msg), lambda _wid, code: exits.put(code)).start()
+    failed = messages.get(timeout=WAIT_S)
+    assert isinstance(failed, WorkerFailed) and "config.json" in failed.message
+    assert exits.get(timeout=WAIT_S) == 1
+
+
+# ------------------------------------------------------- the simulator, in-process
+
+
+class FakeSleep:
+    def __init__(self):
+        self.total = 0.0
+
+    def __call__(self, seconds: float) -> None:
+        self.total += seconds
+
+
+def sim(model_path, **overrides) -> SimBackend:
+    settings = dict(model_path=str(model_path), model_name="sim", backend="sim", max_seqs=8, block_size=32)
+    settings.update(overrides)
+    return SimBackend(WorkerConfig(**settings), worker_id=3, sleep=FakeSleep())
+
+
+def drain(backend: SimBackend, limit: int = 10_000) -> list[StepReport]:
+    reports = []
+    while backend.has_work() and len(reports) < limit:
+        reports.append(backend.step())
+    return reports
+
+
+def test_sim_step_time_follows_the_cost_model(tmp_path):
+    b = sim(tmp_path, sim_step_base_s=0.01, sim_step_per_seq_s=0.001, sim_prefill_per_token_s=0.0001)
+    b.add(item("a", prompt=tuple(range(1, 21))))
+    b.add(item("b", prompt=tuple(range(1, 11))))
+    first, second = b.step(), b.step()
+    assert first.batch_size == 2 and first.prefill_tokens == 30
+    assert first.step_s == pytest.approx(0.01 + 0.002 + 0.003)
+    assert second.prefill_tokens == 0 and second.step_s == pytest.approx(0.012)
+    assert b.sleep.total == pytest.approx(first.step_s + second.step_s)
+
+
+def test_sim_tokens_depend_only_on_the_prompt(tmp_path):
+    one, two = sim(tmp_path), sim(tmp_path, max_seqs=2)
+    one.add(item("x"))
+    two.add(item("other", prompt=(3, 4, 5)))
+    two.add(item("y"))
+    a, b = outputs_by_key(drain(one)), outputs_by_key(drain(two))
+    assert tokens(a["x"]) == tokens(b["y"])
+    assert tokens(b["other"]) != tokens(b["y"])
+
+
+def test_sim_ends_with_eos_unless_told_to_ignore_it(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 100, "eos_token_id": 7}')
+    b = sim(tmp_path)
+    b.add(item("natural", sampling=Sampling(max_tokens=10_000)))
+    b.add(item("ignoring", sampling=Sampling(max_tokens=300, ignore_eos=True)))
+    out = outputs_by_key(drain(b))
+    assert tokens(out["natural"])[-1] == 7 and out["natural"][-1].finish_reason == FinishReason.STOP
+    assert 7 not in tokens(out["ignoring"]) and len(tokens(out["ignoring"])) == 300
+
+
+def test_sim_stops_at_a_stop_string_and_leaves_it_out_of_the_text(tmp_path):
+    plain = sim(tmp_path)
+    plain.add(item("plain"))
+    full = outputs_by_key(drain(plain))["plain"]
+    text = "".join(o.text for o in full)
+    stop = f" t{tokens(full)[5]}"
+    expected = text[: text.find(stop)]
+    b = sim(tmp_path)
+    b.add(item("stopped", sampling=Sampling(max_tokens=16, temperature=0.0, ignore_eos=True, stop=(stop,))))
+    out = outputs_by_key(drain(b))["stopped"]
+    assert "".join(o.text for o in out) == expected
+    assert out[-1].finish_reason == FinishReason.STOP_STRING and len(tokens(out)) <= 6
+
+
+def test_sim_text_comes_from_the_model_tokenizer(tiny_model):
+    from tokenizers import Tokenizer
+
+    b = sim(tiny_model)
+    b.add(item("t", sampling=Sampling(max_tokens=40, ignore_eos=True)))
+    out = outputs_by_key(drain(b))["t"]
+    decoded = Tokenizer.from_file(str(tiny_model / "tokenizer.json")).decode(tokens(out), skip_special_tokens=True)
+    assert "".join(o.text for o in out) == decoded
+
+
+def test_sim_long_prompts_are_prefilled_in_chunks_of_the_token_budget(tmp_path):
+    b = sim(tmp_path, prefill_token_budget=64, max_seqs=8)
+    b.add(item("long", prompt=tuple(range(1, 201)), sampling=Sampling(max_tokens=2, ignore_eos=True)))
+    reports = drain(b)
+    assert [r.prefill_tokens for r in reports[:4]] == [64, 64, 64, 8]
+    assert [len(r.outputs) for r in reports[:3]] == [0, 0, 0]
+
+
+def test_sim_kv_pressure_preempts_but_every_sequence_completes_the_same(tmp_path):
+    roomy, tight = sim(tmp_path), sim(tmp_path, kv_cache_bytes=6 * 32 * 16 * 1024)  # 6 blocks of 32 tokens
+    assert tight.kv_blocks_total == 6
+    items = [item(f"s{i}", prompt=tuple(range(i + 1, i + 40)), sampling=Sampling(max_tokens=50, ignore_eos=True)) for i in range(4)]
+    for it in items:
+        roomy.add(it)
+        tight.add(it)
+    tight_reports = drain(tight)
+    prompts = sum(len(it.prompt_token_ids) for it in items)
+    assert sum(r.prefill_tokens for r in tight_reports) > prompts  # preempted work was computed again
+    assert all(r.kv_blocks_free >= 0 for r in tight_reports)
+    a, b = outputs_by_key(drain(roomy)), outputs_by_key(tight_reports)
+    assert {k: tokens(v) for k, v in a.items()} == {k: tokens(v) for k, v in b.items()}
+    assert tight_reports[-1].kv_blocks_free == 6
+
+
+def test_sim_abort_frees_blocks_and_is_reported(tmp_path):
+    b = sim(tmp_path)
+    b.add(item("gone", sampling=Sampling(max_tokens=100, ignore_eos=True)))
+    b.step()
+    b.abort(("gone", "never-heard-of"))
+    report = b.step()
+    assert report.aborted == ["gone"]
+    assert report.kv_blocks_free == b.spec().kv_blocks_total and report.running == 0
+    assert not b.has_work()
+
+
+def test_sim_fixed_batch_runs_a_batch_to_completion_before_the_next(tmp_path):
+    b = sim(tmp_path, sim_fixed_batch=True)
+    assert b.spec().continuous is False
+    b.add(item("short", sampling=Sampling(max_tokens=3, ignore_eos=True)))
+    b.add(item("long", sampling=Sampling(max_tokens=6, ignore_eos=True)))
+    b.step()
+    b.add(item("next", sampling=Sampling(max_tokens=2, ignore_eos=True)))
+    reports = [b.step() for _ in range(5)]
+    finishing = [r for r in reports if any(o.finished for o in r.outputs)]
+    assert len(finishing) == 1  # short and long are reported finished together
+    assert {o.key for o in finishing[0].outputs if o.finished} == {"short", "long"}
+    assert all(r.batch_size == 2 for r in reports)  # short holds its slot until the batch ends
+    assert "next" not in {k for r in reports for k in r.first_scheduled}
+    rest = drain(b)
+    assert rest[0].first_scheduled == ["next"]
+
+
+def test_sim_refuses_prompts_it_cannot_run(tmp_path):
+    b = sim(tmp_path, max_model_len=64)
+    b.add(item("too-long", prompt=tuple(range(1, 100))))
+    b.add(item("empty", prompt=()))
+    report = b.step()
+    assert set(report.rejected) == {"too-long", "empty"}
+    assert not b.has_work()
+
+
+# ------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(backend="tpu"), "vllm, sim"),
+        (dict(max_seqs=0), "max_seqs"),
+        (dict(block_size=100), "block_size"),
+        (dict(prefill_token_budget=8, max_seqs=16), "prefill_token_budget"),
+        (dict(kv_cache_bytes=512), "MiB"),
+        (dict(fault_marker=""), "None"),
+        (dict(sim_step_base_s=-1), "sim_step_base_s"),
+    ],
+)
+def test_worker_config_rejects_bad_settings_with_a_hint(bad, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(model_path="/m", model_name="m", **bad)
