@@ -136,6 +136,14 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     if ready.done() and ready.result():
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
         print(f"tokenline: serving on {config.host}:{port}", flush=True)
+
+        def follow_workers(serving: bool) -> None:
+            # A model with no live worker (one died, being restarted) is reported NOT_SERVING.
+            if not servicer.draining:
+                status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+                asyncio.ensure_future(_set_health(health_servicer, status))
+
+        runtime.on_capacity.append(follow_workers)
         await stopper
     elif ready.done():
         errors = "; ".join(f"{m}: {e}" for m, e in runtime.start_errors.items()) or "timed out"

@@ -121,6 +121,7 @@ class Runtime:
         self._quarantined: dict[str, float] = {}  # fingerprint -> refused until (monotonic)
         self.on_step: list[Callable[[StepReport], None]] = []
         self.on_finished: list[Callable[[RequestState], None]] = []  # every request, once, when it ends
+        self.on_capacity: list[Callable[[bool], None]] = []  # every model has a live worker: True / False
         self.on_action: list[Callable[[object], None]] = []  # each scheduler action, once carried out
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -166,6 +167,7 @@ class Runtime:
         elif isinstance(msg, WorkerSpec):
             self.specs[wid] = msg
             self._ready[msg.model].set()
+            self._capacity_changed()
             log.info("worker %d ready: model %s, %d KV blocks of %d, %d seqs", wid, msg.model, msg.kv_blocks_total, msg.block_size, msg.max_seqs)
             self._handle(self.scheduler.add_worker(msg))
         elif isinstance(msg, WorkerFailed):
@@ -183,9 +185,15 @@ class Runtime:
         self._handle(self.scheduler.worker_lost(wid))
         if model is not None and not any(s.model == model for s in self.specs.values()):
             self._ready[model].clear()
+        self._capacity_changed()
         if self.restart_workers and model is not None and model not in self.start_errors:
             self.stats.worker_restarts += 1
             self._spawn(model, self.worker_configs[model][0])
+
+    def _capacity_changed(self) -> None:
+        serving = all(self.model_loaded(m) for m in self.worker_configs)
+        for hook in self.on_capacity:
+            hook(serving)
 
     def kill_worker(self, wid: int) -> None:
         self.handles[wid].kill()

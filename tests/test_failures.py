@@ -3,10 +3,11 @@
 import asyncio
 import os
 import signal
-import subprocess
+import threading
 import time
 
 import pytest
+from grpc_health.v1 import health_pb2
 
 from tokenline.client import AsyncClient, Client
 from tokenline.client.errors import TokenlineError
@@ -78,8 +79,26 @@ def test_worker_sigkill_mid_stream_every_stream_completes_once_with_the_uninterr
     expected = [[t for d in deltas for t in d.token_ids] for deltas, _ in reference]
     assert all(len(e) == 96 for e in expected)
 
+    health_seen = []
+    stop_watch = threading.Event()
+
+    def watch_health():
+        while not stop_watch.is_set():
+            try:
+                health_seen.append(server.health())
+            except Exception:
+                pass
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch_health, daemon=True)
+    watcher.start()
     results, killed_at, first_after_kill = asyncio.run(run_streams(server.address, kill_after_tokens=20, server=server))
+    stop_watch.set()
+    watcher.join()
     assert killed_at is not None
+    # While the only worker was down, health said so; it came back once the worker was restarted.
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in health_seen
+    assert health_seen[-1] == health_pb2.HealthCheckResponse.SERVING
     retried = 0
     for (deltas, err), want in zip(results, expected):
         if err is not None:
