@@ -31,7 +31,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seqs", type=int, default=64, help="sequences a worker runs at once (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=4096, help="context limit in tokens (default %(default)s)")
     p.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (default %(default)s)")
-    p.add_argument("--prefill-budget", type=int, default=2048, help="new prompt tokens per step (default %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=512, help="new prompt tokens per step (default %(default)s)")
     p.add_argument("--interactive-window-ms", type=float, default=0.0, help="admission window, interactive")
     p.add_argument("--bulk-window-ms", type=float, default=20.0, help="admission window, bulk (default %(default)s)")
     p.add_argument("--queue-requests", type=int, default=1024, help="queued requests per class (default %(default)s)")
