@@ -63,7 +63,7 @@ def check_invariants(sim: Simulation) -> None:
                 assert not trial.fits(head), f"interactive {head.key} waits while worker {wid} has room"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=int(__import__("os").environ.get("TOKENLINE_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
 @given(workloads())
 def test_every_request_ends_exactly_once_and_budgets_hold(reqs):
     sim = make_sim()
@@ -74,6 +74,8 @@ def test_every_request_ends_exactly_once_and_budgets_hold(reqs):
     assert not sim.scheduler.entries
     for w in sim.scheduler.workers.values():
         assert w.reserved_blocks == 0 and not w.running
+    # Preemption is bounded: no request is re-run more often than the limit allows.
+    assert all(o.admissions <= 1 + sim.scheduler.config.max_preemptions for o in out.values())
     # Finished requests produced every token they asked for, no more.
     by_key = {r.key: r for r in reqs}
     for o in out.values():
@@ -81,7 +83,7 @@ def test_every_request_ends_exactly_once_and_budgets_hold(reqs):
             assert o.tokens == by_key[o.key].max_tokens
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=int(__import__("os").environ.get("TOKENLINE_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
 @given(workloads())
 def test_a_queued_request_past_its_deadline_never_reaches_a_worker(reqs):
     sim = make_sim()

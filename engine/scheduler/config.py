@@ -55,6 +55,8 @@ class SchedulerConfig:
     kv_watermark_blocks: int = 1
     # Preempt running bulk sequences when interactive work cannot otherwise fit.
     preempt_bulk: bool = True
+    # A bulk request is preempted at most this many times (each costs a re-prefill).
+    max_preemptions: int = 3
     # Step time assumed before a worker has reported any (seconds).
     step_time_prior_s: float = 0.05
     # Prefill cost per prompt token assumed before measurements (seconds).

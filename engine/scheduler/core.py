@@ -236,32 +236,42 @@ class Scheduler:
     # ------------------------------------------------------------- dispatching
 
     def _dispatch(self, model_name: str) -> list[Action]:
+        """Admit what the dispatch rule releases: interactive on every worker first, then bulk."""
         now = self.clock()
         model = self.models[model_name]
         actions: list[Action] = self._expire_overdue(now)
-        for wid in sorted(model.workers, key=lambda i: -self.workers[i].slots_free()):
-            w = self.workers[wid]
-            budget = self._budget(w)
-            admitted: list[Admission] = []
-            open_ = w.accepting()
+        workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
+        budgets = {wid: self._budget(self.workers[wid]) for wid in workers}
+        open_ = {wid: self.workers[wid].accepting() for wid in workers}
+        admitted: dict[int, list[Admission]] = {wid: [] for wid in workers}
+        # Passes until nothing moves: a head that fits no worker may unblock one behind it
+        # elsewhere, and slots held for waiting bulk return to interactive once bulk has gone.
+        progress = True
+        while progress:
+            progress = False
             for cls in CLASSES:
                 queue = model.queues[cls]
-                if not queue or not self._rule_fires(model_name, cls, budget, now):
-                    continue
-                reserve = self._bulk_reserve(w, model) if cls == TrafficClass.INTERACTIVE else 0
-                while queue and open_:
-                    e = queue.peek()
-                    if e.crashes and (w.running or admitted):
-                        break  # a suspect waits for an idle worker
-                    if budget.slots - 1 < reserve or not budget.try_admit(e):
-                        break
-                    self._dequeue(e, admitted=True)
-                    admitted.append(self._admit(e, w, now))
-                    open_ = not e.crashes
-            if admitted:
+                for wid in workers:
+                    w, budget = self.workers[wid], budgets[wid]
+                    if not queue or not open_[wid] or not self._rule_fires(model_name, cls, budget, now):
+                        continue
+                    reserve = self._bulk_reserve(w, model) if cls == TrafficClass.INTERACTIVE else 0
+                    while queue and open_[wid]:
+                        e = queue.peek()
+                        if e.crashes and (w.running or admitted[wid]):
+                            break  # a suspect waits for an idle worker
+                        if budget.slots - 1 < reserve or not budget.try_admit(e):
+                            break
+                        self._dequeue(e, admitted=True)
+                        admitted[wid].append(self._admit(e, w, now))
+                        open_[wid] = not e.crashes
+                        progress = True
+        for wid in workers:
+            if admitted[wid]:
+                w = self.workers[wid]
                 w.seq += 1
-                w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in admitted)
-                actions.append(Dispatch(wid, w.seq, tuple(admitted)))
+                w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in admitted[wid])
+                actions.append(Dispatch(wid, w.seq, tuple(admitted[wid])))
         if self.config.preempt_bulk and not self._preempting:
             self._preempting = True
             try:
@@ -350,7 +360,8 @@ class Scheduler:
                 continue
             floor = math.floor(w.spec.max_seqs * self.config.bulk_floor)
             bulk = sorted((e for e in w.running.values() if e.cls == TrafficClass.BULK), key=lambda e: e.arrival)
-            victims = list(reversed(bulk[floor:]))
+            # Newest first; a run preempted too often keeps its place, so bulk always progresses.
+            victims = [v for v in reversed(bulk[floor:]) if v.preemptions < self.config.max_preemptions]
             budget = self._budget(w)
             chosen: list[Entry] = []
             for v in victims:
