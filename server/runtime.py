@@ -284,18 +284,19 @@ class Runtime:
                 st.text.extend([""] * (len(out.new_token_ids) - 1) + [out.text])
                 st.emit(Chunk(index, list(out.new_token_ids), out.text, st.attempt))
             if out.finished:
-                self._finish(st, out.finish_reason or FinishReason.STOP)
+                self._finish(st, out.finish_reason or FinishReason.STOP, at=now)
         for hook in self.on_step:
             hook(report)
         self._handle(self.scheduler.on_step(report))
 
-    def _finish(self, st: RequestState, reason: FinishReason | None, error: ServingError | None = None) -> None:
+    def _finish(self, st: RequestState, reason: FinishReason | None, error: ServingError | None = None,
+                *, at: float | None = None) -> None:
         if st.done:
             return
         st.done = True
         st.finish_reason = reason
         st.error = error
-        st.timeline.finished = time.monotonic()
+        st.timeline.finished = at if at is not None else time.monotonic()  # at: the step that produced its last token
         if st.run_key is not None:
             self.by_run.pop(st.run_key, None)
         self.requests.pop(st.key, None)
@@ -351,7 +352,8 @@ class Runtime:
         for adm in d.admissions:
             st = self.requests[adm.key]
             if st.timeline.admitted is None:
-                st.timeline.admitted = now
+                # The scheduler's decision instant, so that enqueued + waits == admitted exactly.
+                st.timeline.admitted = st.timeline.enqueued + adm.admission_wait_s + adm.queueing_s
             st.timeline.admission_wait_s += adm.admission_wait_s
             st.timeline.queueing_s += adm.queueing_s
             if st.run_key is not None:

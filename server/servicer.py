@@ -81,7 +81,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             if call is None and self.on_refused is not None:
                 self.on_refused(request, err, tenant)
             await abort_with(context, err)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: the caller left while a chunk was pending
             outcome = "disconnected"
             if call is not None and call.state is not None:
                 self.runtime.leave(call.state, call.mailbox)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenline.telemetry")
 
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+MAX_TRACKED = 4096  # requests with interruptions or admission links kept at once
 
 # Bucket boundaries (seconds). 0 is a bucket of its own: "no wait at all" is the common,
 # healthy case for the waits, and an operator wants to see how often it holds.
@@ -201,7 +202,7 @@ class Telemetry:
             ("tokenline_worker_running_sequences", "Sequences running in a worker (last step).", self._observe_worker(1)),
             ("tokenline_worker_waiting_sequences", "Sequences waiting inside a worker's engine (last step).", self._observe_worker(2)),
             ("tokenline_worker_kv_usage_ratio", "Share of a worker's KV-cache blocks in use (last step).", self._observe_worker(3)),
-            ("tokenline_worker_batch_size", "Sequences in a worker's last step.", self._observe_worker(4)),
+            ("tokenline_worker_batch_size", "Sequences in a worker's last step (0 once it has nothing to run).", self._observe_worker(4)),
         )
         for name, doc, callback in gauges:
             meter.create_observable_gauge(name, callbacks=[callback], description=doc)
@@ -354,6 +355,9 @@ class Telemetry:
                 key = _request_key(run_key)
                 if key in runtime.requests:
                     self._extra.setdefault(key, _Extra()).links.append(span.get_span_context())
+        if len(self._extra) > MAX_TRACKED:  # a request whose call ended without on_request_done (rare)
+            for key in [k for k in self._extra if k not in runtime.requests]:
+                del self._extra[key]
 
     @_guarded
     def on_action(self, action: object) -> None:
@@ -400,8 +404,9 @@ class Telemetry:
             report = self._last_step.get(wid)
             free = report.kv_blocks_free if report else spec.kv_blocks_total
             usage = 1.0 - free / spec.kv_blocks_total if spec.kv_blocks_total else 0.0
+            busy = report is not None and (report.running or report.waiting)
             snap.workers[wid] = (spec.model, report.running if report else 0, report.waiting if report else 0,
-                                 usage, report.batch_size if report else 0)
+                                 usage, report.batch_size if busy else 0)  # an idle worker runs no batch
         snap.stale = (rt.stats.stale_outputs, rt.scheduler.counters.stale_outputs)
         snap.restarts = rt.stats.worker_restarts
         return snap

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.support import ServerProcess
+from tests.support import ServerProcess, free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,7 +18,9 @@ TINY_ARGS = ("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--ma
 @pytest.fixture(scope="session")
 def tiny_server():
     """The real vLLM engine on the tiny random model (gibberish text: assert on token counts)."""
-    server = ServerProcess(*TINY_ARGS).start()
+    port = free_port()
+    server = ServerProcess(*TINY_ARGS, "--metrics-port", str(port)).start()
+    server.metrics_port = port
     yield server
     server.stop()
 

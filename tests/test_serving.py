@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from tokenline.client import AsyncClient, Client
+from tests.support import metric_values, scrape, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -50,3 +51,31 @@ def test_concurrent_streams_are_batched_and_all_complete(tiny_server):
     for deltas in results:
         assert sum(len(d.token_ids) for d in deltas) == 24
         assert deltas[-1].finish_reason == "length"
+
+
+def _worker_idle(server) -> bool:
+    m = scrape(server.metrics_port)
+    running = metric_values(m, "tokenline_worker_running_sequences")
+    kv = metric_values(m, "tokenline_worker_kv_usage_ratio")
+    return bool(running) and all(v == 0 for v in running) and all(v == 0 for v in kv)
+
+
+@pytest.mark.parametrize("how", ["client cancel", "Cancel RPC"])
+def test_cancelling_mid_stream_ends_the_request_and_frees_the_worker(tiny_server, how):
+    with Client(tiny_server.address) as client:
+        stream = client.generate("cancel me", max_tokens=1500, ignore_eos=True, request_id=f"cancel-{how}")
+        it = iter(stream)
+        received = len(next(it).token_ids)
+        m = scrape(tiny_server.metrics_port)
+        assert max(metric_values(m, "tokenline_worker_running_sequences")) >= 1 or received
+        if how == "client cancel":
+            stream.cancel()
+            rest = list(it)
+            assert rest == []
+        else:
+            assert client.cancel(f"cancel-{how}") is True
+            rest = list(it)
+            assert rest[-1].finish_reason == "cancelled"
+        received += sum(len(d.token_ids) for d in rest)
+    assert received < 1500
+    assert wait_until(lambda: _worker_idle(tiny_server), timeout=10), scrape(tiny_server.metrics_port)

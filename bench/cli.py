@@ -1,0 +1,205 @@
+"""`tokenline bench`: drive a server with a workload and report what its users would see.
+
+The `tokenline` console script (server/cli.py) mounts this with
+`add_bench_parser(subparsers)` and calls `run_bench(args)`. The commands
+themselves live in bench/commands.py.
+
+Exit status: 0 done; 1 the run could not be measured (target unreachable, a
+server did not start, the load generator fell behind); 2 bad usage;
+3 a class missed --attainment (bench run) or no rate met it (bench capacity);
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tokenline.bench.arrivals import KINDS
+
+RUN_EXAMPLES = """examples:
+  tokenline bench run --rate 4 --duration-s 30
+  tokenline bench run --target 127.0.0.1:50051 --concurrency 16 --num-requests 200 --input-len 256 --output-len 128
+  tokenline bench run --target http://127.0.0.1:8000 --rate 8 --arrival gamma --burstiness 0.5
+  tokenline bench run --duration-s 60 \\
+      --stream name=chat,class=interactive,rate=4,input=128-512,output=64,slo_ttft_ms=200,slo_itl_ms=50 \\
+      --stream name=batch,class=bulk,rate=1,input=1024,output=512,deadline_ms=60000
+  tokenline bench run --prompts sharegpt.json --rate 2 --attainment 0.99 --slo-ttft-ms 500
+
+--stream keys: name, class (interactive|bulk), rate | concurrency, arrival (poisson|gamma|constant),
+burstiness (gamma shape: 1 = Poisson, lower = burstier), input, output (N, A-B, normal:MEAN:STD,
+lognormal:MEDIAN:SIGMA), deadline_ms, slo_ttft_ms, slo_itl_ms (mean gap per request),
+slo_e2e_ms, cancel (fraction abandoned part-way), ignore_eos, prompts (a JSONL/ShareGPT file).
+Writes results.json (vLLM-compatible keys), requests.jsonl, summary.txt and PNG plots to --out.
+"""
+
+CAPACITY_EXAMPLES = """examples:
+  tokenline bench capacity --slo-ttft-ms 200 --slo-itl-ms 50 --attainment 0.99 --start-rate 2
+  tokenline bench capacity --duration-s 20 \\
+      --stream name=chat,class=interactive,rate=3,input=256,output=64,slo_ttft_ms=300 \\
+      --stream name=batch,class=bulk,rate=1,input=1024,output=256,slo_e2e_ms=60000
+
+The streams keep their share of the total rate; the search doubles or halves the rate
+until it brackets the answer, then bisects. Writes capacity.json and capacity.png.
+"""
+
+COMPARE_EXAMPLES = """examples:
+  tokenline bench compare --model tiny
+  tokenline bench compare                                  # the default model: several minutes
+  tokenline bench compare --model tiny --skip vllm,mixed   # engine ceiling vs tokenline only
+
+Starts each server itself, one at a time, on free loopback ports, with the same engine settings.
+"""
+
+SIMULATE_EXAMPLES = """examples:
+  tokenline bench simulate --workers 3 4 5 --windows-ms 0 10 20 --rate 1000
+"""
+
+LOADGEN_EXAMPLES = """examples:
+  tokenline bench loadgen                          # against a stand-in server with no engine
+  tokenline bench loadgen --target 127.0.0.1:50051 --tokenizer tiny
+"""
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=36)
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `bench` and its commands (run, capacity, compare, simulate, loadgen) to `subparsers`."""
+    bench = subparsers.add_parser("bench", help="benchmark a server: latency, goodput, capacity, comparisons",
+                                  description="Benchmark tokenline (or an OpenAI-compatible server) under load.",
+                                  formatter_class=_formatter)
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run one workload and report latency, goodput and the server's split",
+                         epilog=RUN_EXAMPLES, formatter_class=_formatter)
+    add_target_args(run)
+    add_workload_args(run)
+    run.add_argument("--attainment", type=float, help="exit 3 if a class's goodput is below this (e.g. 0.99)")
+    add_output_args(run)
+
+    cap = sub.add_parser("capacity", help="find the highest rate at which every class meets its SLO",
+                         epilog=CAPACITY_EXAMPLES, formatter_class=_formatter)
+    add_target_args(cap)
+    add_workload_args(cap, default_duration=20.0)
+    cap.add_argument("--attainment", type=float, default=0.95, help="goodput every class must reach (default %(default)s)")
+    cap.add_argument("--start-rate", type=float, help="first total rate to try, requests/s (default: the workload's)")
+    cap.add_argument("--max-rate", type=float, help="never try above this rate")
+    cap.add_argument("--tolerance", type=float, default=0.05, help="stop when the bracket is this narrow, relative (default %(default)s)")
+    cap.add_argument("--max-runs", type=int, default=10, help="at most this many runs (default %(default)s)")
+    cap.add_argument("--pause-s", type=float, default=2.0, help="idle time between runs (default %(default)s)")
+    add_output_args(cap)
+
+    cmp = sub.add_parser("compare", help="tokenline vs vllm serve vs the engine itself, same model and settings",
+                         epilog=COMPARE_EXAMPLES, formatter_class=_formatter)
+    cmp.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
+    serve = serve_defaults()  # the engine settings default to `tokenline serve`'s own
+    cmp.add_argument("--kv-cache-mb", type=int, default=serve["kv_cache_mb"], help="KV cache in MiB (default %(default)s)")
+    cmp.add_argument("--max-seqs", type=int, default=serve["max_seqs"], help="sequences at once (default %(default)s)")
+    cmp.add_argument("--max-model-len", type=int, default=serve["max_model_len"], help="context limit (default %(default)s)")
+    cmp.add_argument("--block-size", type=int, default=serve["block_size"], help="KV block size (default %(default)s)")
+    cmp.add_argument("--prefill-budget", type=int, default=serve["prefill_budget"], help="tokens per step (default %(default)s)")
+    cmp.add_argument("--requests", type=int, default=64, help="saturation run: requests sent at once (default %(default)s)")
+    cmp.add_argument("--input-len", type=int, default=256, help="prompt tokens (default %(default)s)")
+    cmp.add_argument("--output-len", type=int, default=128, help="output tokens, saturation run (default %(default)s)")
+    cmp.add_argument("--c1-requests", type=int, default=8, help="concurrency-1 run: requests (default %(default)s)")
+    cmp.add_argument("--c1-output-len", type=int, default=64, help="concurrency-1 run: output tokens (default %(default)s)")
+    cmp.add_argument("--mixed-duration-s", type=float, default=30.0, help="mixed run length (default %(default)s)")
+    cmp.add_argument("--mixed-load", type=float, default=0.9,
+                     help="mixed run: offered output tokens/s as a share of the slower server's saturation throughput (default %(default)s)")
+    cmp.add_argument("--interactive-share", type=float, default=0.3, help="mixed run: interactive share of output tokens (default %(default)s)")
+    cmp.add_argument("--slo-ttft-ms", type=float, help="interactive TTFT bound (default: max(200, 4 × engine TTFT))")
+    cmp.add_argument("--slo-itl-ms", type=float, help="interactive ITL bound (default: max(50, 2.5 × engine ITL))")
+    cmp.add_argument("--skip", default="", help="comma-separated steps to leave out: ceiling, tokenline, vllm, mixed")
+    cmp.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")
+    cmp.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    cmp.add_argument("--out", default=None, help="output folder (default bench-results/compare-<time>)")
+
+    sim = sub.add_parser("simulate", help="capacity simulator: the real scheduler in virtual time, fixed-cost batches",
+                         epilog=SIMULATE_EXAMPLES, formatter_class=_formatter)
+    sim.add_argument("--workers", type=int, nargs="+", default=[3, 4, 5], help="worker counts to try (default 3 4 5)")
+    sim.add_argument("--windows-ms", type=float, nargs="+", default=[10.0], help="admission windows to try (default 10)")
+    sim.add_argument("--rate", type=float, default=1000.0, help="arrivals per second (default %(default)s)")
+    sim.add_argument("--batch", type=int, default=32, help="largest batch (default %(default)s)")
+    sim.add_argument("--cost-ms", type=float, default=100.0, help="time one batch takes (default %(default)s)")
+    sim.add_argument("--duration-s", type=float, default=30.0, help="simulated seconds (default %(default)s)")
+    sim.add_argument("--seed", type=int, default=1, help="arrival seed (default %(default)s)")
+
+    lg = sub.add_parser("loadgen", help="measure how much load this machine's load generator can drive",
+                        epilog=LOADGEN_EXAMPLES, formatter_class=_formatter)
+    lg.add_argument("--target", default=None, help="server to drive (default: a stand-in with no engine, started here)")
+    lg.add_argument("--tokenizer", default="tiny", help="tokenizer for the prompts (default %(default)s)")
+    lg.add_argument("--concurrency", type=int, default=64, help="requests in flight (default %(default)s)")
+    lg.add_argument("--output-len", type=int, nargs="+", default=[16, 256], help="output tokens per request (default 16 256)")
+    lg.add_argument("--input-len", type=int, default=32, help="prompt tokens (default %(default)s)")
+    lg.add_argument("--duration-s", type=float, default=10.0, help="seconds per measurement (default %(default)s)")
+    lg.add_argument("--tokens-per-chunk", type=int, default=1, help="stand-in server: tokens per chunk (default %(default)s)")
+    lg.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    return bench
+
+
+def serve_defaults() -> dict[str, Any]:
+    """`tokenline serve`'s defaults, so that `bench compare` starts every server with the settings users get."""
+    from tokenline.server.cli import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    return vars(parser.parse_args(["serve"]))
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument("--target", default="127.0.0.1:50051",
+                   help="tokenline host:port, or http://host:port for an OpenAI-compatible server (default %(default)s)")
+    g.add_argument("--model", default="", help="model name sent with each request (default: the server's)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer: 'tiny', a model folder, or the default model (default: the served model's, when found locally)")
+    g.add_argument("--api-key", default=None, help="API key (tokenline: bearer token; OpenAI: Authorization header)")
+    g.add_argument("--openai-priority", action="store_true",
+                   help="OpenAI targets: send priority 0 for interactive, 1 for bulk (needs --scheduling-policy priority)")
+    g.add_argument("--connections", type=int, default=1, help="gRPC connections to spread requests over (default %(default)s)")
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, default_duration: float = 30.0) -> None:
+    g = p.add_argument_group("workload (one stream from these flags, or several with --stream)")
+    g.add_argument("--stream", action="append", default=[], metavar="KEY=VALUE,...", help="a traffic stream (repeatable)")
+    g.add_argument("--workload", help="a JSON or TOML file with a list of streams under 'streams' (same keys as --stream)")
+    g.add_argument("--rate", type=float, help="open loop: arrivals per second")
+    g.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    g.add_argument("--arrival", choices=KINDS, default="poisson", help="arrival process (default %(default)s)")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, lower = burstier (default %(default)s)")
+    g.add_argument("--class", dest="traffic_class", choices=("interactive", "bulk"), default="interactive",
+                   help="traffic class (default %(default)s)")
+    g.add_argument("--input-len", default="256", help="prompt tokens: N, A-B, normal:M:S, lognormal:M:S (default %(default)s)")
+    g.add_argument("--output-len", default=None, help="output tokens, same forms (default: the prompt file's, else 128)")
+    g.add_argument("--prompts", help="prompt file: JSON Lines or a JSON array; ShareGPT conversations accepted")
+    g.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at its end-of-sequence token")
+    g.add_argument("--deadline-ms", type=float, help="deadline per request, from its scheduled arrival")
+    g.add_argument("--slo-ttft-ms", type=float, help="SLO: time to first token")
+    g.add_argument("--slo-itl-ms", type=float, help="SLO: mean inter-token gap per request")
+    g.add_argument("--slo-e2e-ms", type=float, help="SLO: completion time")
+    g.add_argument("--cancel", type=float, default=0.0, help="share of requests abandoned part-way (default 0)")
+    g.add_argument("--duration-s", type=float, default=default_duration, help="arrivals stop after this (default %(default)s)")
+    g.add_argument("--num-requests", type=int, help="send this many requests (per closed-loop stream) instead")
+    g.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (default %(default)s)")
+    g.add_argument("--send-text", action="store_true", help="send prompt text instead of token ids")
+    g.add_argument("--max-input-len", type=int, help="prompt files: skip prompts longer than this")
+    g.add_argument("--warmup", type=int, default=4, help="unrecorded requests before measuring (default %(default)s)")
+    g.add_argument("--max-lag-ms", type=float, default=50.0,
+                   help="stop if requests go out later than this after their schedule (default %(default)s)")
+    g.add_argument("--drain-s", type=float, default=120.0, help="wait this long for requests after the last send (default %(default)s)")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=None, help="output folder (default bench-results/<command>-<time>)")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--quiet", action="store_true", help="no progress line")
+    g.add_argument("--json", action="store_true", help="print the results JSON instead of the tables")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from tokenline.bench import commands
+
+    return commands.dispatch(args)

@@ -1,0 +1,243 @@
+"""`bench compare`: tokenline against `vllm serve` and against the engine itself, on one machine, in one run.
+
+Servers run one at a time (the machine's cores are shared), each started here
+with the same model and engine settings on a free loopback port:
+
+1. engine ceiling: the saturation and concurrency-1 workloads through vLLM in-process
+2. tokenline: saturation (all requests at once), concurrency 1
+3. vllm serve: saturation, concurrency 1, then the mixed interactive + bulk load
+4. tokenline: the mixed load
+
+The mixed load offers `mixed_load` × the lower of the two servers' saturation
+output throughput, a `interactive_share` of its tokens interactive. Its
+interactive SLO, unless given, is derived from the engine's own
+concurrency-1 latency (TTFT ≤ max(200 ms, 4×), ITL ≤ max(50 ms, 2.5×)).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tokenline.bench.arrivals import ArrivalProcess
+from tokenline.bench.report import fmt, format_results, table
+from tokenline.bench.runner import LoadGeneratorBehind
+from tokenline.bench.servers import EngineSettings, ServerProcess, run_ceiling, start_tokenline, start_vllm
+from tokenline.bench.session import BenchSpec, Outcome, jsonable, plan, run_once, write_outputs
+from tokenline.bench.workload import LengthDist, Slo, StreamSpec
+
+STEPS = ("ceiling", "tokenline", "vllm", "mixed")
+
+
+@dataclass(frozen=True)
+class CompareSpec:
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    requests: int = 64
+    input_len: int = 256
+    output_len: int = 128
+    c1_requests: int = 8
+    c1_output_len: int = 64
+    mixed_duration_s: float = 30.0
+    mixed_load: float = 0.9
+    interactive_share: float = 0.3  # of the mixed load's output tokens
+    interactive_lengths: tuple[int, int] = (128, 32)  # input, output
+    bulk_lengths: tuple[int, int] = (512, 256)
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    seed: int = 0
+    skip: frozenset[str] = frozenset()
+    tokenline_engine: str = "vllm"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.skip) - set(STEPS)
+        if unknown:
+            raise ValueError(f"cannot skip {', '.join(sorted(unknown))}: steps are {', '.join(STEPS)}")
+        if not 0 < self.interactive_share < 1:
+            raise ValueError("interactive_share must be between 0 and 1")
+
+    def saturation(self, target: str) -> BenchSpec:
+        stream = StreamSpec("saturation", concurrency=self.requests, input_len=LengthDist("fixed", self.input_len),
+                            output_len=LengthDist("fixed", self.output_len))
+        return self._spec(target, (stream,), num_requests=self.requests)
+
+    def concurrency1(self, target: str) -> BenchSpec:
+        stream = StreamSpec("c1", concurrency=1, input_len=LengthDist("fixed", self.input_len),
+                            output_len=LengthDist("fixed", self.c1_output_len))
+        return self._spec(target, (stream,), num_requests=self.c1_requests)
+
+    def mixed(self, target: str, output_tok_s: float, slo: Slo) -> BenchSpec:
+        (i_in, i_out), (b_in, b_out) = self.interactive_lengths, self.bulk_lengths
+        offered = self.mixed_load * output_tok_s
+        interactive = StreamSpec("interactive", "interactive", ArrivalProcess(self.interactive_share * offered / i_out),
+                                 input_len=LengthDist("fixed", i_in), output_len=LengthDist("fixed", i_out), slo=slo)
+        bulk = StreamSpec("bulk", "bulk", ArrivalProcess((1 - self.interactive_share) * offered / b_out),
+                          input_len=LengthDist("fixed", b_in), output_len=LengthDist("fixed", b_out))
+        return self._spec(target, (interactive, bulk), duration_s=self.mixed_duration_s)
+
+    def _spec(self, target: str, streams: tuple[StreamSpec, ...], *, num_requests: int | None = None,
+              duration_s: float | None = None) -> BenchSpec:
+        return BenchSpec(target=target, streams=streams, seed=self.seed, num_requests=num_requests,
+                         duration_s=duration_s, tokenizer=self.settings.model, openai_priority=True,
+                         max_lag_ms=1000.0)
+
+
+def ceiling_requests(spec: CompareSpec) -> dict[str, list[dict]]:
+    """The exact requests of the saturation and concurrency-1 runs, for the engine-ceiling process."""
+    out = {}
+    for name, bench in (("throughput", spec.saturation("")), ("sequential", spec.concurrency1(""))):
+        (factory,) = plan(bench)[1]
+        out[name] = [{"prompt_ids": list(r.prompt_ids), "max_tokens": r.max_tokens, "ignore_eos": r.ignore_eos}
+                     for r in (factory.make(i, None) for i in range(bench.num_requests or 0))]
+    return out
+
+
+async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, Any]:  # noqa: ANN001
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, Outcome] = {}
+    ceiling: dict[str, Any] | None = None
+    slo: Slo | None = None
+
+    failed: dict[str, str] = {}
+
+    async def measure(server: ServerProcess, name: str, bench: BenchSpec) -> Outcome | None:
+        log(f"-- {server.kind}: {name}")
+        try:
+            outcome = await run_once(bench, label=f"{server.kind} {name}")
+        except LoadGeneratorBehind as e:  # this run cannot be trusted; the others still can
+            failed[f"{server.kind}/{name}"] = str(e)
+            log(f"   not measured: {e}")
+            return None
+        runs[f"{server.kind}/{name}"] = outcome
+        summary = format_results(outcome.results, title=f"{server.kind} · {name}")
+        write_outputs(outcome, out_dir / server.kind / name, summary=summary)
+        log(summary)
+        return outcome
+
+    if "ceiling" not in spec.skip:
+        log("-- engine ceiling (vLLM in-process)")
+        requests_path = out_dir / "ceiling-requests.json"
+        requests_path.write_text(json.dumps(ceiling_requests(spec)))
+        ceiling = run_ceiling(spec.settings, requests_path, out_dir / "ceiling.json", out_dir / "logs" / "ceiling.log")
+        log(f"   {ceiling['throughput']['output_throughput']:.0f} output tok/s; concurrency 1: ttft p50 "
+            f"{ceiling['sequential']['median_ttft_ms']:.1f} ms, itl p50 {ceiling['sequential']['median_itl_ms']:.2f} ms")
+
+    servers = [k for k in ("tokenline", "vllm") if k not in spec.skip]
+    for kind in servers:
+        with _start(kind, spec, out_dir) as server:
+            await measure(server, "saturation", spec.saturation(server.address))
+            await measure(server, "c1", spec.concurrency1(server.address))
+            saturated = [runs[f"{k}/saturation"].results["output_throughput"] for k in servers if f"{k}/saturation" in runs]
+            if kind == servers[-1] and "mixed" not in spec.skip and saturated:
+                slo = mixed_slo(spec, ceiling, runs)
+                mixed = spec.mixed(server.address, min(saturated), slo)
+                await measure(server, "mixed", mixed)
+    if slo is not None and len(servers) == 2:
+        with _start(servers[0], spec, out_dir) as server:
+            await measure(server, "mixed", replace(mixed, target=server.address))
+
+    report = {"settings": spec.settings.__dict__, "ceiling": ceiling, "mixed_slo": slo.as_dict() if slo else None,
+              "runs": {name: outcome.results for name, outcome in runs.items()}, "not_measured": failed,
+              "ratios": ratios(ceiling, runs)}
+    (out_dir / "compare.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
+    text = format_comparison(report)
+    (out_dir / "compare.txt").write_text(text + "\n")
+    _plots(runs, out_dir)
+    log(text)
+    return report
+
+
+def _start(kind: str, spec: CompareSpec, out_dir: Path) -> ServerProcess:
+    log_path = out_dir / "logs" / f"{kind}.log"
+    if kind == "tokenline":
+        return start_tokenline(spec.settings, log_path, engine=spec.tokenline_engine)
+    return start_vllm(spec.settings, log_path)
+
+
+def mixed_slo(spec: CompareSpec, ceiling: dict | None, runs: dict[str, Outcome]) -> Slo:
+    if ceiling is not None:
+        ttft, itl = ceiling["sequential"]["median_ttft_ms"], ceiling["sequential"]["median_itl_ms"]
+    else:  # no engine figures: the better server at concurrency 1
+        c1 = [o.results for name, o in runs.items() if name.endswith("/c1")]
+        ttft, itl = min(r["median_ttft_ms"] for r in c1), min(r["median_itl_ms"] for r in c1)
+    return Slo(ttft_ms=spec.slo_ttft_ms or max(200.0, 4 * ttft), itl_ms=spec.slo_itl_ms or max(50.0, 2.5 * itl))
+
+
+def ratios(ceiling: dict | None, runs: dict[str, Outcome]) -> dict[str, Any]:
+    def get(run: str, key: str, cls: str | None = None) -> float:
+        outcome = runs.get(run)
+        if outcome is None:
+            return math.nan
+        results = outcome.results if cls is None else outcome.results["classes"].get(cls, {})
+        return results.get(key, math.nan)
+
+    out: dict[str, Any] = {}
+    for kind in ("tokenline", "vllm"):
+        if ceiling is not None:
+            out[f"{kind}_throughput_over_ceiling"] = get(f"{kind}/saturation", "output_throughput") / ceiling["throughput"]["output_throughput"]
+            out[f"{kind}_ttft_overhead_ms_c1"] = get(f"{kind}/c1", "median_ttft_ms") - ceiling["sequential"]["median_ttft_ms"]
+            out[f"{kind}_itl_overhead_ms_c1"] = get(f"{kind}/c1", "median_itl_ms") - ceiling["sequential"]["median_itl_ms"]
+        out[f"{kind}_interactive_goodput_mixed"] = get(f"{kind}/mixed", "goodput", "interactive")
+    out["tokenline_over_vllm"] = {
+        run: {key: get(f"tokenline/{run}", key) / get(f"vllm/{run}", key)
+              for key in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")}
+        for run in ("c1", "saturation", "mixed")
+    }
+    return out
+
+
+def format_comparison(report: dict[str, Any]) -> str:
+    runs, ceiling, r = report["runs"], report["ceiling"] or {}, report["ratios"]
+
+    def value(run: str, key: str, spec: str = ".1f", cls: str | None = None) -> str:
+        results = runs.get(run)
+        if results is not None and cls is not None:
+            results = results["classes"].get(cls)
+        return fmt(results.get(key) if results else None, spec)
+
+    rows = []
+    for run, key, label, spec in (("saturation", "output_throughput", "saturation: output tok/s", ",.0f"),
+                                  ("saturation", "median_ttft_ms", "saturation: ttft p50 ms", ".1f"),
+                                  ("saturation", "p99_ttft_ms", "saturation: ttft p99 ms", ".1f"),
+                                  ("saturation", "median_itl_ms", "saturation: itl p50 ms", ".2f"),
+                                  ("saturation", "p99_itl_ms", "saturation: itl p99 ms", ".2f"),
+                                  ("c1", "median_ttft_ms", "concurrency 1: ttft p50 ms", ".1f"),
+                                  ("c1", "p99_ttft_ms", "concurrency 1: ttft p99 ms", ".1f"),
+                                  ("c1", "median_itl_ms", "concurrency 1: itl p50 ms", ".2f"),
+                                  ("c1", "p99_itl_ms", "concurrency 1: itl p99 ms", ".2f")):
+        engine = {"output_throughput": ceiling.get("throughput", {}).get("output_throughput")}.get(key) if run == "saturation" \
+            else ceiling.get("sequential", {}).get(key)
+        ratio = r["tokenline_over_vllm"].get(run, {}).get(key)
+        rows.append((label, value(f"tokenline/{run}", key, spec), value(f"vllm/{run}", key, spec), fmt(engine, spec), fmt(ratio, ".2f")))
+    rows.append(("mixed: interactive goodput", value("tokenline/mixed", "goodput", ".3f", "interactive"),
+                 value("vllm/mixed", "goodput", ".3f", "interactive"), "-", "-"))
+    rows.append(("mixed: interactive ttft p99 ms", value("tokenline/mixed", "p99_ttft_ms", ".1f", "interactive"),
+                 value("vllm/mixed", "p99_ttft_ms", ".1f", "interactive"), "-", "-"))
+    rows.append(("mixed: bulk output tok/s", value("tokenline/mixed", "output_throughput", ",.0f", "bulk"),
+                 value("vllm/mixed", "output_throughput", ",.0f", "bulk"), "-", "-"))
+    for run in ("saturation", "c1", "mixed"):
+        lags = [runs[f"{k}/{run}"]["send_lag_ms"]["p99"] if f"{k}/{run}" in runs else None for k in ("tokenline", "vllm")]
+        rows.append((f"{run}: bench send lag p99 ms", fmt(lags[0], ".1f"), fmt(lags[1], ".1f"), "-", "-"))
+    lines = [table(("", "tokenline", "vllm serve", "engine", "tokenline ÷ vllm"), rows), ""]
+    for name, why in (report.get("not_measured") or {}).items():
+        lines.append(f"{name}: not measured: {why}")
+    for kind, name in (("tokenline", "tokenline"), ("vllm", "vllm serve")):
+        if f"{kind}_throughput_over_ceiling" in r:
+            lines.append(f"{name}: served throughput ÷ engine ceiling {fmt(r[f'{kind}_throughput_over_ceiling'], '.2f')}; "
+                         f"over the engine at concurrency 1: ttft +{fmt(r[f'{kind}_ttft_overhead_ms_c1'], '.1f')} ms, "
+                         f"itl +{fmt(r[f'{kind}_itl_overhead_ms_c1'], '.2f')} ms")
+    if report.get("mixed_slo"):
+        slo = ", ".join(f"{k.removesuffix('_ms')} ≤ {v:.0f} ms" for k, v in report["mixed_slo"].items())
+        lines.append(f"mixed load: interactive SLO {slo}; goodput = requests meeting it ÷ requests offered")
+    return "\n".join(lines)
+
+
+def _plots(runs: dict[str, Outcome], out_dir: Path) -> None:
+    from tokenline.bench import plots
+
+    for name in ("saturation", "c1", "mixed"):
+        pair = {kind: runs[f"{kind}/{name}"].run.records for kind in ("tokenline", "vllm") if f"{kind}/{name}" in runs}
+        if pair:
+            plots.latency_cdfs(pair, out_dir / f"latency_cdf_{name}.png")
