@@ -173,6 +173,8 @@ def timeline_from_proto(timeline: pb.Timeline) -> ServerTimeline:
         completion_ms=timeline.completion_ms,
         attempts=timeline.attempts,
         preemptions=timeline.preemptions,
+        lost_preemption_ms=timeline.lost_preemption_ms,
+        lost_retry_ms=timeline.lost_retry_ms,
         **optional,
     )
 

@@ -44,6 +44,9 @@ class ServerTimeline:
     completion_ms: float
     attempts: int
     preemptions: int
+    # Time lost to preemptions and to worker failures (each: interruption to the next token).
+    lost_preemption_ms: float = 0.0
+    lost_retry_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ class Runtime:
         st.done = True
         st.finish_reason = reason
         st.error = error
-        st.timeline.finished = at if at is not None else time.monotonic()  # at: the step that produced its last token
+        st.timeline.close(at if at is not None else time.monotonic())  # at: the step that produced its last token
         if st.run_key is not None:
             self.by_run.pop(st.run_key, None)
         self.requests.pop(st.key, None)
@@ -327,6 +327,7 @@ class Runtime:
                 st = self.requests.get(a.key)
                 if st is not None and a.preempted:
                     st.timeline.preemptions += 1
+                    st.timeline.interrupt(now, "preemption")
                     self.by_run.pop(a.run_key, None)
             elif isinstance(a, Retry):
                 st = self.requests.get(a.key)
@@ -335,6 +336,7 @@ class Runtime:
                         self.by_run.pop(st.run_key, None)
                     st.attempt = a.attempt
                     st.timeline.attempts = a.attempt
+                    st.timeline.interrupt(now, "retry")
             elif isinstance(a, Fail):
                 st = self.requests.get(a.key)
                 if st is not None:
@@ -353,9 +355,10 @@ class Runtime:
             st = self.requests[adm.key]
             if st.timeline.admitted is None:
                 # The scheduler's decision instant, so that enqueued + waits == admitted exactly.
+                # Later waits (after a preemption or a crash) count as time lost, not as these.
                 st.timeline.admitted = st.timeline.enqueued + adm.admission_wait_s + adm.queueing_s
-            st.timeline.admission_wait_s += adm.admission_wait_s
-            st.timeline.queueing_s += adm.queueing_s
+                st.timeline.admission_wait_s = adm.admission_wait_s
+                st.timeline.queueing_s = adm.queueing_s
             if st.run_key is not None:
                 self.by_run.pop(st.run_key, None)
             st.run_key, st.worker_id = adm.run_key, d.worker_id

@@ -99,9 +99,6 @@ class _Extra:
     """What a request's Timeline does not keep: interruptions, and the steps that admitted it."""
 
     links: list[Any] = field(default_factory=list)  # SpanContexts of admitting worker steps
-    events: list[tuple[str, float, dict]] = field(default_factory=list)
-    lost_s: dict[str, float] = field(default_factory=dict)  # by cause: preemption, retry
-    interrupted: tuple[float, str] | None = None  # (when, cause) until its next token
 
 
 @dataclass
@@ -257,8 +254,8 @@ class Telemetry:
         tl = state.timeline
         cls = state.cls.name.lower()
         extra = self._extra.pop(state.key, None) or _Extra()
-        if extra.interrupted is not None:  # never resumed: what it lost runs to its end
-            self._resume(extra, tl.finished or now, state.model, cls)
+        for cause, _, lost in tl.interruptions:
+            self._lost.record(lost, {"model": state.model, "class": cls, "cause": cause})
         labels = {"model": state.model, "class": cls, "outcome": outcome}
         splits = {"intake_ms": _span_ms(tl.received, tl.enqueued), **tl.splits_ms()}
         reached = {
@@ -281,10 +278,9 @@ class Telemetry:
         self._prompt_tokens.add(len(state.prompt_ids), {"model": state.model, "class": cls})
         self._generated_tokens.add(len(state.token_ids), {"model": state.model, "class": cls})
         trace_id = self._request_span(state, outcome, extra, splits)
-        lost = {f"lost_{cause}_ms": s * 1000.0 for cause, s in sorted(extra.lost_s.items())}
         self._log({"id": state.request_id, "model": state.model, "class": cls, "tenant": state.tenant, "outcome": outcome,
                    "prompt_tokens": len(state.prompt_ids), "tokens": len(state.token_ids), "attempts": state.attempt,
-                   "preemptions": tl.preemptions, **splits, **lost, "trace_id": trace_id})
+                   "preemptions": tl.preemptions, **splits, "trace_id": trace_id})
 
     @_guarded
     def on_refused(self, request: Any, err: Exception, tenant: str) -> None:
@@ -316,7 +312,11 @@ class Telemetry:
                                       links=[Link(ctx) for ctx in extra.links])
         milestones = [(name, getattr(tl, name), None) for name in ("validated", "enqueued", "admitted", "first_scheduled",
                                                                       "first_token", "finished", "last_byte")]
-        for name, at, attrs in sorted((m for m in milestones + extra.events if m[1] is not None), key=lambda m: m[1]):
+        interruptions = []
+        for cause, since, lost in tl.interruptions:
+            interruptions.append(("preempted" if cause == "preemption" else "retried", since, None))
+            interruptions.append(("resumed", since + lost, {"tokenline.lost_ms": lost * 1000.0}))
+        for name, at, attrs in sorted((m for m in milestones + interruptions if m[1] is not None), key=lambda m: m[1]):
             span.add_event(name, attributes=attrs, timestamp=self._wall_ns(at))
         if state.error is not None or outcome not in ("stop", "length", "stop_string", "cancelled", "ok"):
             span.set_status(Status(StatusCode.ERROR, outcome))
@@ -338,12 +338,6 @@ class Telemetry:
         self._last_step[report.worker_id] = report
         self._step.record(report.step_s, {"model": model})
         now = time.monotonic()
-        if any(e.interrupted for e in self._extra.values()):
-            for out in report.outputs:
-                st = runtime.by_run.get(out.key) or runtime.requests.get(_request_key(out.key))
-                extra = self._extra.get(_request_key(out.key))
-                if out.new_token_ids and extra is not None and extra.interrupted and st is not None and st.run_key == out.key:
-                    self._resume(extra, now, st.model, st.cls.name.lower())
         if self.tracer is not None and report.first_scheduled:
             start = self._wall_ns(now - report.step_s)
             span = self.tracer.start_span("tokenline.worker_step", start_time=start, attributes={
@@ -368,22 +362,7 @@ class Telemetry:
         if st is None:
             return
         labels = {"model": st.model, "class": st.cls.name.lower()}
-        cause = "preemption" if isinstance(action, StopRun) else "retry"
-        (self._preemptions if cause == "preemption" else self._retries).add(1, labels)
-        now = time.monotonic()
-        extra = self._extra.setdefault(st.key, _Extra())
-        if extra.interrupted is not None:  # interrupted again before it resumed
-            self._resume(extra, now, st.model, labels["class"])
-        extra.interrupted = (now, cause)
-        extra.events.append(("preempted" if cause == "preemption" else "retried", now, {"tokenline.attempt": st.attempt}))
-
-    def _resume(self, extra: _Extra, now: float, model: str, cls: str) -> None:
-        since, cause = extra.interrupted
-        extra.interrupted = None
-        lost = max(now - since, 0.0)
-        extra.lost_s[cause] = extra.lost_s.get(cause, 0.0) + lost
-        extra.events.append(("resumed", now, {"tokenline.lost_ms": lost * 1000.0}))
-        self._lost.record(lost, {"model": model, "class": cls, "cause": cause})
+        (self._preemptions if isinstance(action, StopRun) else self._retries).add(1, labels)
 
     # ------------------------------------------------------------- gauges
 

@@ -21,7 +21,7 @@ from tokenline.client.errors import AlreadyExists, InvalidRequest, NotFound
 METRICS_URL = re.compile(r"tokenline: metrics on (http://\S+)")
 STAMPS = ("received_ms", "validated_ms", "enqueued_ms", "admitted_ms", "first_scheduled_ms", "first_token_ms",
           "finished_ms", "last_byte_ms")
-SPLITS = ("admission_wait_ms", "queueing_ms", "prefill_ms", "decode_ms", "return_ms")
+SPLITS = ("admission_wait_ms", "queueing_ms", "prefill_ms", "decode_ms", "lost_preemption_ms", "lost_retry_ms", "return_ms")
 ROUNDING_MS = 0.001  # float rounding of millisecond values, nothing more
 
 
@@ -135,12 +135,9 @@ def test_timelines_are_ordered_and_their_splits_add_up(server):
         assert stamps == sorted(stamps), t
         assert all(getattr(t, name) >= 0 for name in SPLITS + ("ttft_ms", "itl_mean_ms", "completion_ms")), t
         assert t.ttft_ms >= t.prefill_ms, t
-        # A preempted request waits again after its first admission: its waits only grow.
-        assert t.admitted_ms - t.enqueued_ms <= t.admission_wait_ms + t.queueing_ms + ROUNDING_MS, t
-    uninterrupted = [t for t in timelines if t.preemptions == 0 and t.attempts == 1]
-    assert len(uninterrupted) >= 3
-    for t in uninterrupted:
-        # received → enqueued is intake; every later moment is in exactly one split.
+    for t in timelines:
+        # received → enqueued is intake; every later moment is in exactly one split,
+        # including time lost to a preemption (re-queueing and re-prefill).
         total = t.enqueued_ms + sum(getattr(t, name) for name in SPLITS)
         assert total == pytest.approx(t.completion_ms, abs=ROUNDING_MS), t
         assert t.admitted_ms - t.enqueued_ms == pytest.approx(t.admission_wait_ms + t.queueing_ms, abs=ROUNDING_MS), t

@@ -147,7 +147,7 @@ class Scheduler:
         if entry.deadline is not None:
             heapq.heappush(self._deadlines, (entry.deadline, entry.key))
         self._enqueue(entry, now)
-        return self._dispatch(entry.model)
+        return self._dispatch(entry.model, now)  # one clock reading: admitted at once means zero wait
 
     def cancel(self, key: str) -> list[Action]:
         e = self.entries.get(key)
@@ -235,9 +235,9 @@ class Scheduler:
 
     # ------------------------------------------------------------- dispatching
 
-    def _dispatch(self, model_name: str) -> list[Action]:
+    def _dispatch(self, model_name: str, now: float | None = None) -> list[Action]:
         """Admit what the dispatch rule releases: interactive on every worker first, then bulk."""
-        now = self.clock()
+        now = self.clock() if now is None else now
         model = self.models[model_name]
         actions: list[Action] = self._expire_overdue(now)
         workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
