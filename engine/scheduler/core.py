@@ -497,7 +497,9 @@ class Scheduler:
                 del self._tenant_inflight[e.tenant]
 
     def _note_capacity(self, model: ModelState, now: float) -> None:
-        has_room = any(self._budget(self.workers[w]).slots > 0 and self._budget(self.workers[w]).blocks > 0 for w in model.workers)
+        # Room means a slot, KV blocks and prefill budget this step: waiting for any of them is
+        # waiting for capacity (queueing); waiting while all exist is waiting to be batched.
+        has_room = any(self.workers[w].accepting() and not self._budget(self.workers[w]).exhausted for w in model.workers)
         if has_room and model.no_capacity_since is not None:
             model.no_capacity_total += now - model.no_capacity_since
             model.no_capacity_since = None
