@@ -128,7 +128,6 @@ class Runtime:
         self._last_timer_run: float | None = None
         self._next_worker_id = 0
         self._worker_model: dict[int, str] = {}
-        self._ready: dict[str, asyncio.Event] = {name: asyncio.Event() for name in workers}
         self._closing = False
         self.start_errors: dict[str, str] = {}
 
@@ -151,13 +150,6 @@ class Runtime:
         self.handles[wid] = handle
         handle.start()
 
-    async def wait_ready(self, model: str, timeout: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._ready[model].wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
     def model_loaded(self, model: str) -> bool:
         return any(s.model == model for s in self.specs.values())
 
@@ -166,7 +158,6 @@ class Runtime:
             self._on_step(msg)
         elif isinstance(msg, WorkerSpec):
             self.specs[wid] = msg
-            self._ready[msg.model].set()
             self._capacity_changed()
             log.info("worker %d ready: model %s, %d KV blocks of %d, %d seqs", wid, msg.model, msg.kv_blocks_total, msg.block_size, msg.max_seqs)
             self._handle(self.scheduler.add_worker(msg))
@@ -183,8 +174,6 @@ class Runtime:
             return
         log.warning("worker %d (model %s) exited with code %s", wid, model, exitcode)
         self._handle(self.scheduler.worker_lost(wid))
-        if model is not None and not any(s.model == model for s in self.specs.values()):
-            self._ready[model].clear()
         self._capacity_changed()
         if self.restart_workers and model is not None and model not in self.start_errors:
             self.stats.worker_restarts += 1
@@ -194,9 +183,6 @@ class Runtime:
         serving = all(self.model_loaded(m) for m in self.worker_configs)
         for hook in self.on_capacity:
             hook(serving)
-
-    def kill_worker(self, wid: int) -> None:
-        self.handles[wid].kill()
 
     # ------------------------------------------------------------- requests
 

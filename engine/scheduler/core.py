@@ -52,8 +52,6 @@ class WorkerView:
     seq: int = 0  # last admission batch sent
     applied_seq: int = 0  # last admission batch the worker applied
     pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
-    last_batch: int = 0
-    kv_blocks_free_reported: int = 0
 
     def accepting(self) -> bool:
         # A suspect (running when some worker died) runs alone, so a second crash names it.
@@ -95,7 +93,7 @@ class Scheduler:
         old = self.workers.get(spec.worker_id)
         if old is not None:  # a restarted worker keeps what was learnt of its speed
             est = old.estimator
-        self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est, kv_blocks_free_reported=spec.kv_blocks_total)
+        self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est)
         model = self._model(spec.model)
         if spec.worker_id not in model.workers:
             model.workers.append(spec.worker_id)
@@ -174,8 +172,6 @@ class Scheduler:
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
         w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
-        w.last_batch = report.batch_size
-        w.kv_blocks_free_reported = report.kv_blocks_free
         step = w.estimator.step_s(max(len(w.running), 1))
         for key in report.rejected:
             e = w.running.get(key)
