@@ -132,6 +132,7 @@ class AsyncClient:
         request_id: str = "",
         idempotency_key: str = "",
         deadline_s: float | None = None,
+        require_completion: bool = False,
         timeout: float | None = None,
     ) -> AsyncDeltaStream:
         """Start generating; iterate the result with `async for`. Arguments as for `Client.generate`."""
@@ -140,6 +141,7 @@ class AsyncClient:
             model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
             traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
+            require_completion=require_completion,
         )  # fmt: skip
         sent_at = time.monotonic()
         call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
@@ -167,6 +169,7 @@ class AsyncClient:
         request_id: str = "",
         idempotency_key: str = "",
         deadline_s: float | None = None,
+        require_completion: bool = False,
         timeout: float | None = None,
     ) -> Completion:
         """Generate and return the whole result at once. Arguments as for `Client.generate`."""
@@ -175,6 +178,7 @@ class AsyncClient:
             model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
             traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
+            require_completion=require_completion,
         )  # fmt: skip
         try:
             response = await self._stub.Complete(

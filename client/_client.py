@@ -177,6 +177,7 @@ class Client:
         request_id: str = "",
         idempotency_key: str = "",
         deadline_s: float | None = None,
+        require_completion: bool = False,
         timeout: float | None = None,
     ) -> DeltaStream:
         """Start generating and stream the result as Deltas; the last one has the finish reason,
@@ -192,6 +193,7 @@ class Client:
             model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
             traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
+            require_completion=require_completion,
         )  # fmt: skip
         sent_at = time.monotonic()
         call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
@@ -219,6 +221,7 @@ class Client:
         request_id: str = "",
         idempotency_key: str = "",
         deadline_s: float | None = None,
+        require_completion: bool = False,
         timeout: float | None = None,
     ) -> Completion:
         """Generate and return the whole result at once. Arguments as for `generate`."""
@@ -227,6 +230,7 @@ class Client:
             model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
             traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
+            require_completion=require_completion,
         )  # fmt: skip
         try:
             response = self._stub.Complete(request, timeout=grpc_timeout, metadata=self._metadata)

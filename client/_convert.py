@@ -47,6 +47,7 @@ def build_request(
     deadline_unix_ms: int = 0,
     idempotency_key: str = "",
     resume_from_index: int = 0,
+    require_completion: bool = False,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for one call. Raises ValueError on arguments no server would accept.
 
@@ -74,6 +75,7 @@ def build_request(
         request_id=request_id,
         idempotency_key=idempotency_key,
         resume_from_index=resume_from_index,
+        require_completion_by_deadline=require_completion,
         deadline_unix_ms=deadline_unix_ms,
         sampling=pb.SamplingParams(
             max_tokens=max_tokens,

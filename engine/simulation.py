@@ -38,6 +38,7 @@ class SimRequest:
     deadline: float | None = None
     tenant: str = "default"
     cancel_at: float | None = None
+    must_complete: bool = False
 
 
 @dataclass
@@ -170,7 +171,8 @@ class Simulation:
     def _arrive(self, r: SimRequest) -> None:
         self.outcomes[r.key] = Outcome(r.key, r.cls, r.tenant, r.arrival)
         entry = Entry(key=r.key, model=next(iter(self.workers.values())).spec.model, tenant=r.tenant, cls=r.cls,
-                      prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens, arrival=r.arrival, deadline=r.deadline)
+                      prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens, arrival=r.arrival, deadline=r.deadline,
+                      must_complete_by_deadline=r.must_complete)
         self._handle(self.scheduler.submit(entry))
 
     def _arm_timer(self) -> None:

@@ -59,6 +59,7 @@ class RequestState:
     error: ServingError | None = None
     done: bool = False
     fault_marker: bool = False
+    must_complete_by_deadline: bool = False
     idempotency_key: str = ""
     # One mailbox per caller following this run (a retry with the same idempotency key attaches).
     subscribers: list[asyncio.Queue] = field(default_factory=list)
@@ -199,7 +200,7 @@ class Runtime:
         state.timeline.enqueued = now
         entry = Entry(key=state.key, model=state.model, tenant=state.tenant, cls=state.cls,
                       prompt_tokens=len(state.prompt_ids), max_tokens=state.sampling.max_tokens,
-                      arrival=now, deadline=state.deadline)
+                      arrival=now, deadline=state.deadline, must_complete_by_deadline=state.must_complete_by_deadline)
         self.requests[state.key] = state
         self._handle(self.scheduler.submit(entry))
         if state.error is not None:

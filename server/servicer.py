@@ -173,6 +173,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         deadline = _deadline(context, valid.deadline_unix_ms, now)
         if deadline is not None and deadline <= now:
             raise DeadlineUnmeetable("the request's deadline has already passed")
+        if request.require_completion_by_deadline and deadline is None:
+            raise InvalidRequest("require_completion_by_deadline needs a deadline: a gRPC timeout or deadline_unix_ms")
         print_ = fingerprint(valid.model.name, valid.sampling, valid.prompt_ids)
         if key:
             found = self._find_keyed(tenant, key, print_, request.resume_from_index)
@@ -183,7 +185,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         marker = bool(self.fault_marker) and request.WhichOneof("prompt") == "text" and self.fault_marker in request.text
         state = RequestState(key=_key(tenant, request_id), request_id=request_id, tenant=tenant,
                              model=valid.model.name, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
-                             timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key)
+                             timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key,
+                             must_complete_by_deadline=request.require_completion_by_deadline)
         mailbox = state.subscribe()
         if key and self.idempotency is not None:
             self.idempotency.begin(tenant, key, print_)

@@ -47,6 +47,8 @@ BAD_REQUESTS = {
     "unknown traffic class": (pb.GenerateRequest(text="hi", traffic_class=7), grpc.StatusCode.INVALID_ARGUMENT, "traffic_class"),
     "request id too long": (pb.GenerateRequest(text="hi", request_id="x" * 200), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     "unknown model": (pb.GenerateRequest(text="hi", model="gpt-17"), grpc.StatusCode.NOT_FOUND, "unknown model"),
+    "completion by a deadline without a deadline": (pb.GenerateRequest(text="hi", require_completion_by_deadline=True), grpc.StatusCode.INVALID_ARGUMENT, "needs a deadline"),
+    "resume without an idempotency key": (pb.GenerateRequest(text="hi", resume_from_index=3), grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key"),
 }
 
 

@@ -51,3 +51,18 @@ def test_a_request_whose_deadline_cannot_be_met_is_refused_at_arrival():
     assert out["E"].completed == pytest.approx(1 * MS)  # at arrival, not after waiting
     assert out["E"].departed is None
     assert "deadline" in out["E"].message
+
+
+def test_bulk_work_that_must_complete_by_its_deadline_is_refused_when_only_its_first_token_would_fit():
+    from tokenline.engine.simulation import linear_cost
+    from tokenline.engine.types import TrafficClass
+
+    config = SchedulerConfig(step_time_prior_s=10 * MS, bulk=ClassConfig(admission_window_s=0.0))
+    sim = Simulation(config, [(worker_spec(0, max_seqs=8, continuous=True), linear_cost(10 * MS, 0.0))])
+    # 100 tokens at 10 ms a step need about a second; the deadline is half a second away.
+    first_token_only = SimRequest("A", 0.0, max_tokens=100, cls=TrafficClass.BULK, deadline=0.5)
+    whole = SimRequest("B", 0.0, max_tokens=100, cls=TrafficClass.BULK, deadline=0.5, must_complete=True)
+    out = sim.run([first_token_only, whole])
+    assert out["B"].status == "refused" and "all 100 tokens" in out["B"].message
+    assert out["A"].departed == pytest.approx(0.0)  # its first token fits: it runs (and expires at 0.5 s)
+    assert out["A"].status == "expired"

@@ -404,9 +404,20 @@ class Scheduler:
         if e.deadline is not None:
             start = self._estimate_start(e, model, now)
             done = start + self._service_estimate(e.model, e)
+            what = "its first token"
+            if e.must_complete_by_deadline:
+                done += max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
+                what = f"all {e.max_tokens} tokens"
             if done > e.deadline:
-                return Refuse(e.key, Refusal.DEADLINE, f"cannot produce its first token before the deadline: estimated at {1000 * (done - now):.0f} ms from now, deadline in {1000 * (e.deadline - now):.0f} ms")
+                return Refuse(e.key, Refusal.DEADLINE, f"cannot produce {what} before the deadline: estimated at {1000 * (done - now):.0f} ms from now, deadline in {1000 * (e.deadline - now):.0f} ms")
         return None
+
+    def _decode_step_estimate(self, model_name: str) -> float:
+        model = self.models[model_name]
+        if not model.workers:
+            return self.config.step_time_prior_s
+        w = self.workers[model.workers[0]]
+        return w.estimator.step_s(max(len(w.running), 1))
 
     def _service_estimate(self, model_name: str, e: Entry) -> float:
         """Admission to first token on this model's typical worker."""
