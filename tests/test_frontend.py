@@ -47,7 +47,6 @@ BAD_REQUESTS = {
     "unknown traffic class": (pb.GenerateRequest(text="hi", traffic_class=7), grpc.StatusCode.INVALID_ARGUMENT, "traffic_class"),
     "request id too long": (pb.GenerateRequest(text="hi", request_id="x" * 200), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     "unknown model": (pb.GenerateRequest(text="hi", model="gpt-17"), grpc.StatusCode.NOT_FOUND, "unknown model"),
-    "completion by a deadline without a deadline": (pb.GenerateRequest(text="hi", require_completion_by_deadline=True), grpc.StatusCode.INVALID_ARGUMENT, "needs a deadline"),
     "resume without an idempotency key": (pb.GenerateRequest(text="hi", resume_from_index=3), grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key"),
 }
 
@@ -59,6 +58,13 @@ def test_bad_input_gets_a_clear_status_and_message(stub, case, method):
     got_code, details = call_status(getattr(stub, method), request)
     assert got_code == code
     assert words in details
+
+
+def test_asking_for_completion_by_a_deadline_without_giving_one_is_invalid(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Complete(pb.GenerateRequest(text="hi", require_completion_by_deadline=True))  # no gRPC timeout either
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "needs a deadline" in info.value.details()
 
 
 def test_the_server_keeps_serving_after_bad_input(stub, sim_server):
