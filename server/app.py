@@ -99,7 +99,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     ])
     servicer = TokenlineServicer(runtime, served, default_model, config.limits, fault_marker=config.fault_marker,
                                  auth=auth, idempotency=idempotency,
-                                 on_done=telemetry.on_request_done, on_refused=telemetry.on_refused)
+                                 on_done=telemetry.on_request_done, on_refused=telemetry.on_refused,
+                                 on_shared=telemetry.on_shared)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -37,7 +37,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
     def __init__(self, runtime: Runtime, models: dict[str, ServedModel], default_model: str, limits: convert.Limits,
                  *, fault_marker: str | None = None, on_done: Callable[[RequestState, str], None] | None = None,
                  on_refused: Callable[[pb.GenerateRequest, ServingError, str], None] | None = None,
-                 auth: Authenticator | None = None, idempotency: IdempotencyStore | None = None):
+                 auth: Authenticator | None = None, idempotency: IdempotencyStore | None = None,
+                 on_shared: Callable[[pb.GenerateRequest, str, str], None] | None = None):
         self.runtime = runtime
         self.models = models
         self.default_model = default_model
@@ -46,6 +47,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         self.fault_marker = fault_marker
         self.on_done = on_done
         self.on_refused = on_refused  # a call that ended before it reached the runtime
+        self.on_shared = on_shared  # a call served by another call's run (replayed or attached)
         self.auth = auth or Authenticator()
         self.idempotency = idempotency
         self._live_keys: dict[tuple[str, str], RequestState] = {}  # (tenant, idempotency key) -> running request
@@ -90,6 +92,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             self.inflight -= 1
             if call is not None and call.owner and self.on_done is not None:
                 self.on_done(call.state, outcome)
+            elif call is not None and not call.owner and self.on_shared is not None:
+                self.on_shared(request, "replayed" if call.replay is not None else "attached", tenant)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         received = time.monotonic()
@@ -123,6 +127,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             self.inflight -= 1
             if call is not None and call.owner and self.on_done is not None:
                 self.on_done(call.state, outcome)
+            elif call is not None and not call.owner and self.on_shared is not None:
+                self.on_shared(request, "replayed" if call.replay is not None else "attached", tenant)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         if request is MALFORMED:

@@ -283,6 +283,14 @@ class Telemetry:
                    "preemptions": tl.preemptions, **splits, "trace_id": trace_id})
 
     @_guarded
+    def on_shared(self, request: Any, outcome: str, tenant: str) -> None:
+        """A call served by another call's run: a stored result replayed, or attached to a live run."""
+        model = request.model or self._default_model
+        labels = {"model": model if model in self._models else "unknown",
+                  "class": {0: "interactive", TrafficClass.INTERACTIVE: "interactive", TrafficClass.BULK: "bulk"}.get(request.traffic_class, "unknown")}
+        self._requests.add(1, {**labels, "outcome": outcome, "tenant": self._tenant_label(tenant)})
+
+    @_guarded
     def on_refused(self, request: Any, err: Exception, tenant: str) -> None:
         """A call ended before it reached the runtime (invalid, or refused at once)."""
         model = request.model or self._default_model

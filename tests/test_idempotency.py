@@ -6,7 +6,7 @@ import pytest
 
 from tokenline.client import AsyncClient, Client
 from tokenline.client.errors import TokenlineError
-from tests.support import ServerProcess
+from tests.support import ServerProcess, free_port, scrape
 
 pytestmark = pytest.mark.engine
 
@@ -20,9 +20,16 @@ def db(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(db):
-    s = ServerProcess(*ARGS, "--idempotency-db", db).start()
+    port = free_port()
+    s = ServerProcess(*ARGS, "--idempotency-db", db, "--metrics-port", str(port)).start()
+    s.metrics_port = port
     yield s
     s.stop()
+
+
+def requests_total(server, outcome):
+    return sum(v for k, v in scrape(server.metrics_port).items()
+               if k.startswith("tokenline_requests_total{") and f'outcome="{outcome}"' in k)
 
 
 def sampled(client, key, prompt="tell me something", **kw):
@@ -41,6 +48,9 @@ def test_concurrent_duplicates_execute_once(server):
     assert len({tuple(r.token_ids) for r in results}) == 1
     assert len({r.request_id for r in results}) == 1  # every caller got the one run's result
     assert len(results[0].token_ids) == 64
+    # One run; the other five calls were served by it (attached while running, or replayed).
+    assert requests_total(server, "length") == 1
+    assert requests_total(server, "attached") + requests_total(server, "replayed") == 5
 
 
 def test_a_key_reused_for_different_work_is_refused_naming_the_mismatch(server):
