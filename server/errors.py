@@ -17,6 +17,8 @@ Messages are for the caller: they say what to change, never how the server is bu
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 
@@ -80,7 +82,10 @@ def trailing_metadata(err: ServingError) -> tuple[tuple[str, str], ...]:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, err: ServingError) -> None:
-    """End the call with `err`'s status, message and retry hint."""
+    """End the call with `err`'s status, message and retry hint (unless the call already ended)."""
+    if context.done() or context.cancelled():
+        # The caller's deadline passed or it went away: nobody is left to tell; end quietly.
+        raise asyncio.CancelledError
     md = trailing_metadata(err)
     if md:
         context.set_trailing_metadata(md)

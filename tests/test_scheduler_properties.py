@@ -60,6 +60,8 @@ def check_invariants(sim: Simulation) -> None:
                 reserve = sched._bulk_reserve(w, model)
                 trial = StepBudget(budget.slots - reserve, budget.blocks, budget.prefill_tokens, budget.block_size,
                                    fresh_step=budget._fresh_step)
+                if not sched._keeps_deadlines(w, len(w.running) + 1, now):
+                    continue  # admitting would make running requests miss their deadlines
                 assert not trial.fits(head), f"interactive {head.key} waits while worker {wid} has room"
 
 

@@ -66,3 +66,27 @@ def test_bulk_work_that_must_complete_by_its_deadline_is_refused_when_only_its_f
     assert out["B"].status == "refused" and "all 100 tokens" in out["B"].message
     assert out["A"].departed == pytest.approx(0.0)  # its first token fits: it runs (and expires at 0.5 s)
     assert out["A"].status == "expired"
+
+
+def test_a_new_request_waits_rather_than_slow_a_running_one_past_its_deadline():
+    from tokenline.engine.simulation import linear_cost
+
+    # A step takes 10 ms + 10 ms per sequence: 20 ms alone, 30 ms for two.
+    config = SchedulerConfig(step_time_prior_s=20 * MS)
+    cost = linear_cost(10 * MS, 10 * MS)
+
+    def run(deadline):
+        sim = Simulation(config, [(worker_spec(0, max_seqs=8, continuous=True), cost)])
+        for _ in range(20):  # it has been measured alone and with two sequences
+            sim.scheduler.workers[0].estimator.observe(1, 0, 20 * MS)
+            sim.scheduler.workers[0].estimator.observe(2, 0, 30 * MS)
+        # R needs 20 steps: 400 ms alone, 600 ms sharing; its deadline is 500 ms.
+        return sim.run([SimRequest("R", 0.0, max_tokens=20, deadline=deadline), SimRequest("N", 0.1, max_tokens=5)])
+
+    protected = run(0.5)
+    # N waits until sharing the worker no longer costs R its deadline, then joins; R makes it.
+    assert protected["N"].departed > 0.1
+    assert protected["R"].status == "finished"
+    assert protected["R"].completed <= 0.5 + 1e-9
+    unprotected = run(None)
+    assert unprotected["N"].departed == pytest.approx(0.1)  # no deadline to keep: N joins at once

@@ -185,6 +185,7 @@ class Scheduler:
                 self.counters.stale_outputs += 1
                 continue
             e.generated += len(out.new_token_ids)
+            e.prefilled = e.prefilled or bool(out.new_token_ids)
             e.est_finish = now + e.remaining * step
             if out.finished:
                 self._finish(e, now)
@@ -256,8 +257,18 @@ class Scheduler:
                         e = queue.peek()
                         if e.crashes and (w.running or admitted[wid]):
                             break  # a suspect waits for an idle worker
-                        if budget.slots - 1 < reserve or not budget.try_admit(e):
+                        if budget.slots - 1 < reserve or not budget.fits(e):
                             break
+                        if self._cannot_complete(e, w, now):
+                            self._dequeue(e)  # it asked to finish by its deadline, and no longer can
+                            transition(e, Status.EXPIRED)
+                            self.counters.expired_queued += 1
+                            self._forget(e)
+                            actions.append(Expire(e.key))
+                            continue
+                        if not self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated):
+                            break  # one more sequence would slow running requests past their deadlines
+                        budget.try_admit(e)
                         self._dequeue(e, admitted=True)
                         admitted[wid].append(self._admit(e, w, now))
                         open_[wid] = not e.crashes
@@ -314,6 +325,42 @@ class Scheduler:
                     at = min(at, e.deadline - self._service_estimate(model_name, e))
         return at
 
+    def _keeps_deadlines(self, w: WorkerView, batch: int, now: float, prefill_tokens: int = 0) -> bool:
+        """Would every running request that can meet its deadline still meet it after this admission?
+
+        An admission makes every later step slower (a bigger batch) and adds its prompt to the
+        prefill the worker still owes (steps are shared: running sequences wait for it too).
+        Admitting past the point where that costs a running request its deadline would turn
+        one that was going to finish into an expired one.
+        """
+        if not w.spec.continuous:
+            return True
+        per_token = w.estimator.prefill_per_token_s
+        owed = self._prefill_owed(w) * per_token
+        current = w.estimator.step_s(len(w.running))
+        slower = w.estimator.step_s(batch)
+        added = prefill_tokens * per_token
+        for r in w.running.values():
+            if r.deadline is None:
+                continue
+            if now + owed + r.remaining * current <= r.deadline < now + owed + added + r.remaining * slower:
+                return False
+        return True
+
+    def _cannot_complete(self, e: Entry, w: WorkerView, now: float) -> bool:
+        """For work that must finish by its deadline: would it miss it even if it started now?"""
+        if not e.must_complete_by_deadline or e.deadline is None:
+            return False
+        est = w.estimator
+        finish = (now + (self._prefill_owed(w) + e.prompt_tokens + e.generated) * est.prefill_per_token_s
+                  + e.remaining * est.step_s(len(w.running) + 1))
+        return finish > e.deadline
+
+    @staticmethod
+    def _prefill_owed(w: WorkerView) -> int:
+        """Prompt tokens admitted to `w` that it has not computed yet (no token produced since admission)."""
+        return sum(e.prompt_tokens + e.generated for e in w.running.values() if not e.prefilled)
+
     def _bulk_reserve(self, w: WorkerView, model: ModelState) -> int:
         """Slots interactive may not take from this worker while bulk waits below its floor."""
         if not model.queues[TrafficClass.BULK] or self.config.bulk_floor == 0:
@@ -330,6 +377,7 @@ class Scheduler:
         queueing = min(max(no_cap_now - e.no_capacity_at_enqueue, 0.0), waited)
         e.queueing_s, e.admission_wait_s = queueing, waited - queueing
         e.run += 1
+        e.prefilled = False
         e.worker_id = w.spec.worker_id
         e.blocks = blocks_for(e, w.spec.block_size)
         w.reserved_blocks += e.blocks
@@ -433,7 +481,9 @@ class Scheduler:
         for wid in model.workers:
             w = self.workers[wid]
             if w.accepting():
-                free_at += [now] * w.slots_free()
+                # Free slots count only while using one keeps running requests' deadlines.
+                usable = w.slots_free() if self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens) else 0
+                free_at += [now] * usable
                 free_at += sorted(x.est_finish for x in w.running.values())
             else:
                 batch_end = max(x.est_finish for x in w.running.values())
@@ -447,8 +497,11 @@ class Scheduler:
         if ahead < len(free_at):
             start = free_at[ahead]
         else:
+            # Past the slots we can see, each round of requests ahead takes a whole run
+            # (first token plus its decode), not just a first token.
             rounds = ahead // len(free_at)
-            start = free_at[ahead % len(free_at)] + rounds * self._service_estimate(e.model, e)
+            run_s = self._service_estimate(e.model, e) + max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
+            start = free_at[ahead % len(free_at)] + rounds * run_s
         return max(start, now)
 
     def _retry_after(self, model: ModelState, tokens: int, now: float) -> float:

@@ -1,48 +1,68 @@
-"""Running estimate of a worker's step time as a function of batch size."""
+"""Running estimate of a worker's step time as a function of batch shape.
+
+A step costs about a + b·(sequences in the batch) + c·(prompt tokens it prefills).
+The three coefficients are fitted by exponentially weighted least squares over
+the worker's step reports, so they follow the machine as it warms up or gets
+busier; a small ridge term keeps them at the configured prior until the data
+says otherwise (for example b while every step has had the same batch size).
+"""
 
 from __future__ import annotations
 
+# Features are scaled so that the ridge weighs the three coefficients alike.
+_BATCH_SCALE = 1.0
+_PREFILL_SCALE = 100.0
 
-def _bucket(batch: int) -> int:
-    b = 1
-    while b < batch:
-        b *= 2
-    return b
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solve a 3×3 linear system by Gaussian elimination with partial pivoting."""
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(3):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                for k in range(col, 4):
+                    a[r][k] -= f * a[col][k]
+    return [a[i][3] / a[i][i] for i in range(3)]
 
 
 class StepEstimator:
-    """EWMA of decode step time per power-of-two batch bucket, plus prefill cost per token."""
-
-    def __init__(self, prior_s: float, prefill_per_token_prior_s: float = 0.0, alpha: float = 0.2):
-        self._alpha = alpha
-        self._prior = prior_s
-        self._step: dict[int, float] = {}
-        self.prefill_per_token_s = prefill_per_token_prior_s
+    def __init__(self, prior_s: float, prefill_per_token_prior_s: float = 0.0, *, decay: float = 0.98, ridge: float = 0.01):
+        self._decay = decay
+        self._ridge = ridge
+        self._prior = [prior_s, 0.0, prefill_per_token_prior_s * _PREFILL_SCALE]
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        self._coef = list(self._prior)
 
     def observe(self, batch: int, prefill_tokens: int, step_s: float) -> None:
-        if batch < 1:
+        """One step report: `batch` sequences, `prefill_tokens` prompt tokens, `step_s` seconds."""
+        if batch < 1 or step_s <= 0:
             return
-        b = _bucket(batch)
-        decode = self.step_s(batch)
-        if prefill_tokens > 0:
-            if b in self._step:
-                extra = max(step_s - decode, 0.0) / prefill_tokens
-                self.prefill_per_token_s += self._alpha * (extra - self.prefill_per_token_s)
-            else:
-                self._step[b] = step_s
-            return
-        old = self._step.get(b)
-        self._step[b] = step_s if old is None else old + self._alpha * (step_s - old)
+        x = (1.0, batch / _BATCH_SCALE, prefill_tokens / _PREFILL_SCALE)
+        for i in range(3):
+            self._xty[i] = self._decay * self._xty[i] + x[i] * step_s
+            for j in range(3):
+                self._xtx[i][j] = self._decay * self._xtx[i][j] + x[i] * x[j]
+        m = [[self._xtx[i][j] + (self._ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
+        v = [self._xty[i] + self._ridge * self._prior[i] for i in range(3)]
+        coef = _solve3(m, v)
+        if coef is not None:
+            self._coef = [max(c, 0.0) for c in coef]
+
+    @property
+    def prefill_per_token_s(self) -> float:
+        return self._coef[2] / _PREFILL_SCALE
 
     def step_s(self, batch: int) -> float:
-        b = _bucket(max(batch, 1))
-        if b in self._step:
-            return self._step[b]
-        if not self._step:
-            return self._prior
-        nearest = min(self._step, key=lambda k: abs(k - b))
-        return self._step[nearest]
+        """A decode step (no prompt to prefill) with `batch` sequences."""
+        a, b, _ = self._coef
+        return max(a + b * max(batch, 1) / _BATCH_SCALE, 1e-6)
 
     def first_token_s(self, batch: int, prompt_tokens: int) -> float:
-        """Time from admission to the first token: one step plus the prompt's prefill."""
+        """Time from admission to the first token: one step that also prefills the prompt."""
         return self.step_s(batch) + prompt_tokens * self.prefill_per_token_s

@@ -27,6 +27,7 @@ class Entry:
     run: int = 0  # admissions so far (a preemption re-admits without a new attempt)
     generated: int = 0  # tokens produced by earlier runs and this one
     crashes: int = 0  # workers that died while it was running
+    prefilled: bool = False  # this run has produced a token, so its prompt is computed
     preemptions: int = 0
     worker_id: int | None = None
     blocks: int = 0  # KV blocks reserved on its worker
