@@ -176,6 +176,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, default_duration: float = 3
     g.add_argument("--prompts", help="prompt file: JSON Lines or a JSON array; ShareGPT conversations accepted")
     g.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at its end-of-sequence token")
     g.add_argument("--deadline-ms", type=float, help="deadline per request, from its scheduled arrival")
+    g.add_argument("--require-completion", action="store_true",
+                   help="with --deadline-ms: ask the server to refuse what cannot complete by the deadline")
     g.add_argument("--slo-ttft-ms", type=float, help="SLO: time to first token")
     g.add_argument("--slo-itl-ms", type=float, help="SLO: mean inter-token gap per request")
     g.add_argument("--slo-e2e-ms", type=float, help="SLO: completion time")

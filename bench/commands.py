@@ -58,7 +58,8 @@ def streams_from_args(args: argparse.Namespace) -> tuple[StreamSpec, ...]:
         arrival=ArrivalProcess(args.rate, args.arrival, args.burstiness) if args.rate is not None else None,
         concurrency=args.concurrency, input_len=LengthDist.parse(args.input_len),
         output_len=LengthDist.parse(args.output_len) if args.output_len else None,
-        deadline_ms=args.deadline_ms, slo=Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms),
+        deadline_ms=args.deadline_ms, require_completion=args.require_completion,
+        slo=Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms),
         cancel_fraction=args.cancel, ignore_eos=not args.no_ignore_eos, prompts=args.prompts,
     ),)  # fmt: skip
 

@@ -115,7 +115,7 @@ class TokenlineTarget:
         stream = client.generate(
             request.prompt_text, token_ids=None if request.prompt_text is not None else request.prompt_ids,
             model=self.model, max_tokens=request.max_tokens, temperature=0.0, ignore_eos=request.ignore_eos,
-            traffic_class=request.traffic_class, deadline_s=remaining,
+            traffic_class=request.traffic_class, deadline_s=remaining, require_completion=request.require_completion,
         )  # fmt: skip
         record.sent = stream.sent_at - t0
         times, counts = record.chunk_times, record.chunk_tokens
@@ -144,7 +144,10 @@ class TokenlineTarget:
         except Overloaded as e:
             record.status, record.error, record.retry_after_s = REFUSED, str(e), e.retry_after_s
         except DeadlineExceeded as e:
-            record.status, record.error = TIMEOUT, str(e)
+            # Told before any token and before the deadline itself: the server refused it up front
+            # (it could not meet the deadline), which is a refusal, not a timeout.
+            early = not counts and remaining is not None and (time.monotonic() - t0) - record.sent < remaining * 0.9
+            record.status, record.error = (REFUSED if early else TIMEOUT), str(e)
         except TokenlineError as e:
             record.status, record.error = ERROR, str(e)
         finally:

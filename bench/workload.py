@@ -103,6 +103,7 @@ class StreamSpec:
     input_len: LengthDist = LengthDist("fixed", 256)
     output_len: LengthDist | None = None  # None: the prompt file's hint, else 128
     deadline_ms: float | None = None  # from the request's scheduled arrival
+    require_completion: bool = False  # ask the server to refuse what cannot complete by the deadline
     slo: Slo = field(default_factory=Slo)
     cancel_fraction: float = 0.0  # share of requests the client abandons part-way
     ignore_eos: bool = True
@@ -136,13 +137,13 @@ class StreamSpec:
             "burstiness": self.arrival.burstiness if self.arrival else None,
             "concurrency": self.concurrency, "input": str(self.input_len),
             "output": str(self.output_len) if self.output_len else None,
-            "deadline_ms": self.deadline_ms, "slo": self.slo.as_dict(),
+            "deadline_ms": self.deadline_ms, "require_completion": self.require_completion, "slo": self.slo.as_dict(),
             "cancel_fraction": self.cancel_fraction, "ignore_eos": self.ignore_eos, "prompts": self.prompts,
         }  # fmt: skip
 
 
 _STREAM_KEYS = ("name", "class", "rate", "arrival", "burstiness", "concurrency", "input", "output", "deadline_ms",
-                "slo_ttft_ms", "slo_itl_ms", "slo_e2e_ms", "cancel", "ignore_eos", "prompts")
+                "require_completion", "slo_ttft_ms", "slo_itl_ms", "slo_e2e_ms", "cancel", "ignore_eos", "prompts")
 
 
 def parse_stream(text: str, *, default_name: str = "main") -> StreamSpec:
@@ -185,6 +186,7 @@ def stream_from_fields(fields: dict[str, Any], *, default_name: str = "main") ->
         input_len=LengthDist.parse(fields.get("input", 256)),
         output_len=LengthDist.parse(output) if output not in (None, "") else None,
         deadline_ms=number("deadline_ms"),
+        require_completion=str(fields.get("require_completion", "false")).lower() in ("1", "true", "yes"),
         slo=Slo(number("slo_ttft_ms"), number("slo_itl_ms"), number("slo_e2e_ms")),
         cancel_fraction=number("cancel") or 0.0,
         ignore_eos=str(fields.get("ignore_eos", "true")).lower() not in ("0", "false", "no"),
@@ -206,6 +208,7 @@ class PlannedRequest:
     ignore_eos: bool
     deadline_s: float | None
     cancel_after: int | None  # abandon the stream after this many tokens (None: never)
+    require_completion: bool = False
 
 
 class RequestFactory:
@@ -234,6 +237,7 @@ class RequestFactory:
             request_id=f"{s.name}-{i}", stream=s.name, traffic_class=s.traffic_class, at=at,
             prompt_ids=prompt.token_ids, prompt_text=text, max_tokens=max_tokens, ignore_eos=s.ignore_eos,
             deadline_s=s.deadline_ms / 1000 if s.deadline_ms else None, cancel_after=cancel_after,
+            require_completion=s.require_completion and bool(s.deadline_ms),
         )  # fmt: skip
 
 

@@ -502,13 +502,25 @@ class Scheduler:
             rounds = ahead // len(free_at)
             run_s = self._service_estimate(e.model, e) + max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
             start = free_at[ahead % len(free_at)] + rounds * run_s
+        # However many slots look free, the queue ahead drains no faster than the model has
+        # been finishing work lately.
+        rate = self._drain_rate(model, now)
+        if rate > 0:
+            queued = model.queues[TrafficClass.INTERACTIVE].tokens
+            if e.cls == TrafficClass.BULK:
+                queued += model.queues[TrafficClass.BULK].tokens
+            start = max(start, now + queued / rate)
         return max(start, now)
 
-    def _retry_after(self, model: ModelState, tokens: int, now: float) -> float:
+    def _drain_rate(self, model: ModelState, now: float) -> float:
+        """Tokens (prompt + generated) of finished requests per second, over the drain window."""
         window = self.config.drain_window_s
         while model.drained and model.drained[0][0] < now - window:
             model.drained.popleft()
-        rate = sum(t for _, t in model.drained) / window
+        return sum(t for _, t in model.drained) / window
+
+    def _retry_after(self, model: ModelState, tokens: int, now: float) -> float:
+        rate = self._drain_rate(model, now)
         if rate <= 0:
             return 1.0
         return min(max(tokens / rate, 0.01), 60.0)
