@@ -144,3 +144,32 @@ def test_queue_limits_refuse_at_once_with_a_retry_hint():
     hints = [a.retry_after_s for a in actions if type(a).__name__ == "Refuse"]
     assert hints and all(h is not None and h > 0 for h in hints)
     assert all("full" in o.message for o in refused)
+
+
+def test_at_ten_times_the_sustainable_rate_work_that_must_complete_keeps_its_deadlines():
+    import random
+
+    def run(rate):
+        rng = random.Random(5)
+        t, reqs = 0.0, []
+        while t < 20.0:
+            t += rng.expovariate(rate)
+            reqs.append(SimRequest(f"r{len(reqs)}", t, prompt_tokens=128, max_tokens=32, deadline=t + 4.0, must_complete=True))
+        cfg = SchedulerConfig(interactive=ClassConfig(max_queued_requests=64), step_time_prior_s=0.035,
+                              prefill_per_token_prior_s=0.00055)
+        # Shaped like SmolLM2 on these machines: 30 ms + 1.5 ms per sequence + 0.55 ms per prompt token.
+        sim = Simulation(cfg, [(worker_spec(0, max_seqs=64, continuous=True, block_size=128, prefill_token_budget=512),
+                                linear_cost(0.030, 0.0015, 0.00055))])
+        return list(sim.run(reqs).values())
+
+    calm, flood = run(2.0), run(20.0)
+    assert all(o.status == "finished" for o in calm)
+    finished = [o for o in flood if o.status == "finished"]
+    refused = [o for o in flood if o.status == "refused"]
+    ran_late = [o for o in flood if o.status == "expired" and o.departed is not None]
+    # Accepted work finishes in time, throughput holds, and most of the excess is told at once.
+    assert all(o.end_to_end <= 4.0 + 1e-9 for o in finished)
+    assert len(finished) >= len(calm)
+    assert all(o.completed == o.arrival for o in refused)
+    assert len(refused) > len(flood) / 2
+    assert len(ran_late) < len(finished) / 2
