@@ -11,6 +11,7 @@ Failures raise `TokenlineError` subclasses (see `tokenline.client.errors`).
 
 from ._async_client import AsyncClient, AsyncDeltaStream
 from ._channel import DEFAULT_TARGET, SERVICE_CONFIG, channel_options, service_config_json
+from ._convert import GenerateOptions
 from ._client import Client, DeltaStream
 from ._timing import StreamTiming, itl_gaps, stream_timing
 from ._types import Completion, Delta, ModelInfo, ServerTimeline, Usage
@@ -30,6 +31,7 @@ from .errors import (
 )
 
 __all__ = [
+    "GenerateOptions",
     "DEFAULT_TARGET",
     "SERVICE_CONFIG",
     "AlreadyExists",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,9 +21,12 @@ from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 from ._channel import DEFAULT_TARGET, auth_metadata, channel_credentials, channel_options
 from ._client import MAX_REATTACH, prepare_call, reattach_backoff_s, resumed
-from ._convert import Message, completion_from_response, delta_from_chunk, model_from_proto
+from ._convert import GenerateOptions, completion_from_response, delta_from_chunk, model_from_proto
 from ._types import Completion, Delta, ModelInfo
 from .errors import NotFound, error_from_rpc
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class AsyncDeltaStream(AsyncIterator[Delta]):
@@ -114,72 +117,20 @@ class AsyncClient:
         self._health = health_pb2_grpc.HealthStub(channel)
         self._metadata = auth_metadata(api_key)
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        token_ids: Sequence[int] | None = None,
-        model: str = "",
-        max_tokens: int = 64,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Iterable[str] = (),
-        ignore_eos: bool = False,
-        traffic_class: str = "interactive",
-        request_id: str = "",
-        idempotency_key: str = "",
-        deadline_s: float | None = None,
-        require_completion: bool = False,
-        timeout: float | None = None,
-    ) -> AsyncDeltaStream:
+    def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> AsyncDeltaStream:
         """Start generating; iterate the result with `async for`. Arguments as for `Client.generate`."""
-        request, grpc_timeout = prepare_call(
-            prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
-            model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
-            require_completion=require_completion,
-        )  # fmt: skip
+        request, grpc_timeout = prepare_call(prompt, options)
         sent_at = time.monotonic()
         call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
         restart = None
-        if idempotency_key:
+        if request.idempotency_key:
             def restart(index: int) -> grpc.aio.UnaryStreamCall:
                 return self._stub.Generate(resumed(request, index), timeout=grpc_timeout, metadata=self._metadata)
         return AsyncDeltaStream(call, sent_at, restart)
 
-    async def complete(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        token_ids: Sequence[int] | None = None,
-        model: str = "",
-        max_tokens: int = 64,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Iterable[str] = (),
-        ignore_eos: bool = False,
-        traffic_class: str = "interactive",
-        request_id: str = "",
-        idempotency_key: str = "",
-        deadline_s: float | None = None,
-        require_completion: bool = False,
-        timeout: float | None = None,
-    ) -> Completion:
+    async def complete(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
         """Generate and return the whole result at once. Arguments as for `Client.generate`."""
-        request, grpc_timeout = prepare_call(
-            prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
-            model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
-            require_completion=require_completion,
-        )  # fmt: skip
+        request, grpc_timeout = prepare_call(prompt, options)
         try:
             response = await self._stub.Complete(
                 request, timeout=grpc_timeout, metadata=self._metadata

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,7 +23,7 @@ from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 from ._channel import DEFAULT_TARGET, auth_metadata, channel_credentials, channel_options
 from ._convert import (
-    Message,
+    GenerateOptions,
     build_request,
     call_deadline,
     completion_from_response,
@@ -32,6 +32,9 @@ from ._convert import (
 )
 from ._types import Completion, Delta, ModelInfo
 from .errors import NotFound, error_from_rpc
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 MAX_REATTACH = 5
@@ -50,20 +53,12 @@ def resumed(request: pb.GenerateRequest, index: int) -> pb.GenerateRequest:
     return again
 
 
-def prepare_call(
-    prompt: str | None,
-    messages: Sequence[Message] | None,
-    token_ids: Sequence[int] | None,
-    *,
-    deadline_s: float | None,
-    timeout: float | None,
-    **fields: Any,
-) -> tuple[pb.GenerateRequest, float | None]:
+def prepare_call(prompt: str | None, options: GenerateOptions) -> tuple[pb.GenerateRequest, float | None]:
     """(request, gRPC timeout) for one Generate or Complete call, with the deadline stamped now."""
+    fields = dict(options)
+    deadline_s, timeout = fields.pop("deadline_s", None), fields.pop("timeout", None)
     grpc_timeout, deadline_unix_ms = call_deadline(deadline_s, timeout, time.time())
-    request = build_request(
-        prompt, messages=messages, token_ids=token_ids, deadline_unix_ms=deadline_unix_ms, **fields
-    )
+    request = build_request(prompt, deadline_unix_ms=deadline_unix_ms, **fields)
     return request, grpc_timeout
 
 
@@ -159,27 +154,7 @@ class Client:
         self._health = health_pb2_grpc.HealthStub(channel)
         self._metadata = auth_metadata(api_key)
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        token_ids: Sequence[int] | None = None,
-        model: str = "",
-        max_tokens: int = 64,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Iterable[str] = (),
-        ignore_eos: bool = False,
-        traffic_class: str = "interactive",
-        request_id: str = "",
-        idempotency_key: str = "",
-        deadline_s: float | None = None,
-        require_completion: bool = False,
-        timeout: float | None = None,
-    ) -> DeltaStream:
+    def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> DeltaStream:
         """Start generating and stream the result as Deltas; the last one has the finish reason,
         usage and server timeline.
 
@@ -188,50 +163,18 @@ class Client:
         bounds the call and tells the server the deadline; `timeout` bounds the call only.
         Raises ValueError for arguments no server would accept.
         """
-        request, grpc_timeout = prepare_call(
-            prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
-            model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
-            require_completion=require_completion,
-        )  # fmt: skip
+        request, grpc_timeout = prepare_call(prompt, options)
         sent_at = time.monotonic()
         call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
         restart = None
-        if idempotency_key:
+        if request.idempotency_key:
             def restart(index: int) -> Any:
                 return self._stub.Generate(resumed(request, index), timeout=grpc_timeout, metadata=self._metadata)
         return DeltaStream(call, sent_at, restart)
 
-    def complete(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        token_ids: Sequence[int] | None = None,
-        model: str = "",
-        max_tokens: int = 64,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Iterable[str] = (),
-        ignore_eos: bool = False,
-        traffic_class: str = "interactive",
-        request_id: str = "",
-        idempotency_key: str = "",
-        deadline_s: float | None = None,
-        require_completion: bool = False,
-        timeout: float | None = None,
-    ) -> Completion:
+    def complete(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
         """Generate and return the whole result at once. Arguments as for `generate`."""
-        request, grpc_timeout = prepare_call(
-            prompt, messages, token_ids, deadline_s=deadline_s, timeout=timeout,
-            model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            traffic_class=traffic_class, request_id=request_id, idempotency_key=idempotency_key,
-            require_completion=require_completion,
-        )  # fmt: skip
+        request, grpc_timeout = prepare_call(prompt, options)
         try:
             response = self._stub.Complete(request, timeout=grpc_timeout, metadata=self._metadata)
         except grpc.RpcError as error:

@@ -5,6 +5,8 @@ No I/O here: the clients call these around each RPC, and tests call them directl
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +29,36 @@ _FINISH_REASONS = {
 }
 
 _OPTIONAL_STAMPS = ("first_scheduled_ms", "first_token_ms", "finished_ms", "last_byte_ms")
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of `generate()` and `complete()`, on both clients.
+
+    messages / token_ids: the prompt as chat messages or token ids (instead of text);
+    model; max_tokens; temperature, top_p, top_k, seed, stop, ignore_eos: sampling;
+    traffic_class: "interactive" or "bulk"; request_id; idempotency_key (a retry with
+    the same key returns the same run's result; a keyed stream re-attaches after a
+    break); deadline_s: seconds from now, bounds the call and tells the server;
+    require_completion: with a deadline, refuse unless the whole completion fits;
+    timeout: bounds the call only.
+    """
+
+    messages: Sequence[Message] | None
+    token_ids: Sequence[int] | None
+    model: str
+    max_tokens: int
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: str | Iterable[str]
+    ignore_eos: bool
+    traffic_class: str
+    request_id: str
+    idempotency_key: str
+    deadline_s: float | None
+    require_completion: bool
+    timeout: float | None
 
 
 def build_request(
