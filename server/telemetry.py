@@ -249,7 +249,6 @@ class Telemetry:
     @_guarded
     def on_request_done(self, state: RequestState, outcome: str) -> None:
         """A call that reached the runtime ended: record its bill, its span and its log line."""
-        now = time.monotonic()
         outcome = _snake(outcome)
         tl = state.timeline
         cls = state.cls.name.lower()

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget, blocks_for
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.estimator import StepEstimator
@@ -30,50 +30,17 @@ from tokenline.engine.scheduler.records import (
     Entry,
     Expire,
     Fail,
-    Refusal,
-    Refuse,
     Retry,
     StopRun,
 )
+from tokenline.engine.scheduler.state import ModelState, WorkerView
 from tokenline.engine.scheduler.status import FINAL, Status, transition
 from tokenline.engine.types import StepReport, TrafficClass, WorkerSpec
 
 CLASSES = (TrafficClass.INTERACTIVE, TrafficClass.BULK)
 
 
-@dataclass
-class WorkerView:
-    """What the scheduler knows of one worker."""
-
-    spec: WorkerSpec
-    estimator: StepEstimator
-    running: dict[str, Entry] = field(default_factory=dict)  # by run key
-    reserved_blocks: int = 0
-    seq: int = 0  # last admission batch sent
-    applied_seq: int = 0  # last admission batch the worker applied
-    pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
-
-    def accepting(self) -> bool:
-        # A suspect (running when some worker died) runs alone, so a second crash names it.
-        if any(e.crashes for e in self.running.values()):
-            return False
-        return self.spec.continuous or not self.running
-
-    def slots_free(self) -> int:
-        return self.spec.max_seqs - len(self.running) if self.accepting() else 0
-
-
-@dataclass
-class ModelState:
-    queues: dict[TrafficClass, ClassQueue]
-    workers: list[int] = field(default_factory=list)
-    # Integral over time of "no worker of this model has room" (for the queueing split).
-    no_capacity_total: float = 0.0
-    no_capacity_since: float | None = None
-    drained: deque = field(default_factory=deque)  # (time, tokens) of finished requests
-
-
-class Scheduler:
+class Scheduler(AdmissionControl):
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float]):
         self.config = config
         self.clock = clock
@@ -325,42 +292,6 @@ class Scheduler:
                     at = min(at, e.deadline - self._service_estimate(model_name, e))
         return at
 
-    def _keeps_deadlines(self, w: WorkerView, batch: int, now: float, prefill_tokens: int = 0) -> bool:
-        """Would every running request that can meet its deadline still meet it after this admission?
-
-        An admission makes every later step slower (a bigger batch) and adds its prompt to the
-        prefill the worker still owes (steps are shared: running sequences wait for it too).
-        Admitting past the point where that costs a running request its deadline would turn
-        one that was going to finish into an expired one.
-        """
-        if not w.spec.continuous:
-            return True
-        per_token = w.estimator.prefill_per_token_s
-        owed = self._prefill_owed(w) * per_token
-        current = w.estimator.step_s(len(w.running))
-        slower = w.estimator.step_s(batch)
-        added = prefill_tokens * per_token
-        for r in w.running.values():
-            if r.deadline is None:
-                continue
-            if now + owed + r.remaining * current <= r.deadline < now + owed + added + r.remaining * slower:
-                return False
-        return True
-
-    def _cannot_complete(self, e: Entry, w: WorkerView, now: float) -> bool:
-        """For work that must finish by its deadline: would it miss it even if it started now?"""
-        if not e.must_complete_by_deadline or e.deadline is None:
-            return False
-        est = w.estimator
-        finish = (now + (self._prefill_owed(w) + e.prompt_tokens + e.generated) * est.prefill_per_token_s
-                  + e.remaining * est.step_s(len(w.running) + 1))
-        return finish > e.deadline
-
-    @staticmethod
-    def _prefill_owed(w: WorkerView) -> int:
-        """Prompt tokens admitted to `w` that it has not computed yet (no token produced since admission)."""
-        return sum(e.prompt_tokens + e.generated for e in w.running.values() if not e.prefilled)
-
     def _bulk_reserve(self, w: WorkerView, model: ModelState) -> int:
         """Slots interactive may not take from this worker while bulk waits below its floor."""
         if not model.queues[TrafficClass.BULK] or self.config.bulk_floor == 0:
@@ -426,104 +357,6 @@ class Scheduler:
                 self._enqueue(v, now, front=True)
             return actions + self._dispatch(model_name)
         return []
-
-    # ------------------------------------------------------------- admission
-
-    def _check_admissible(self, e: Entry, now: float) -> Refuse | None:
-        if e.key in self.entries:
-            return Refuse(e.key, Refusal.DUPLICATE, f"request id {e.key!r} is already in flight")
-        model = self.models.get(e.model)
-        if model is None or not model.workers:
-            return Refuse(e.key, Refusal.NO_WORKER, f"no worker is serving model {e.model!r} right now", 1.0)
-        if all(blocks_for(e, self.workers[w].spec.block_size) > self.workers[w].spec.kv_blocks_total - self.config.kv_watermark_blocks for w in model.workers):
-            return Refuse(e.key, Refusal.TOO_LARGE, "prompt plus max_tokens needs more KV cache than a worker has; lower max_tokens or shorten the prompt")
-        cls_cfg = self.config.for_class(e.cls)
-        queue = model.queues[e.cls]
-        if queue.requests + 1 > cls_cfg.max_queued_requests or queue.tokens + e.cost > cls_cfg.max_queued_tokens:
-            excess = max(queue.tokens + e.cost - cls_cfg.max_queued_tokens, e.cost)
-            return Refuse(e.key, Refusal.QUEUE_FULL, f"the {e.cls.name.lower()} queue for {e.model!r} is full ({queue.requests} requests, {queue.tokens} tokens)", self._retry_after(model, excess, now))
-        tenant_cfg = self.config.for_tenant(e.tenant)
-        inflight = self._tenant_inflight[e.tenant]
-        if inflight + 1 > tenant_cfg.max_concurrent:
-            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {inflight} requests in flight, its limit is {tenant_cfg.max_concurrent}", self._retry_after(model, e.cost, now))
-        queued_tokens = self._tenant_queued_tokens[e.tenant]
-        if queued_tokens + e.cost > tenant_cfg.max_queued_tokens:
-            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {queued_tokens} tokens queued, its limit is {tenant_cfg.max_queued_tokens}", self._retry_after(model, e.cost, now))
-        if e.deadline is not None:
-            start = self._estimate_start(e, model, now)
-            done = start + self._service_estimate(e.model, e)
-            what = "its first token"
-            if e.must_complete_by_deadline:
-                done += max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
-                what = f"all {e.max_tokens} tokens"
-            if done > e.deadline:
-                return Refuse(e.key, Refusal.DEADLINE, f"cannot produce {what} before the deadline: estimated at {1000 * (done - now):.0f} ms from now, deadline in {1000 * (e.deadline - now):.0f} ms")
-        return None
-
-    def _decode_step_estimate(self, model_name: str) -> float:
-        model = self.models[model_name]
-        if not model.workers:
-            return self.config.step_time_prior_s
-        w = self.workers[model.workers[0]]
-        return w.estimator.step_s(max(len(w.running), 1))
-
-    def _service_estimate(self, model_name: str, e: Entry) -> float:
-        """Admission to first token on this model's typical worker."""
-        model = self.models[model_name]
-        if not model.workers:
-            return self.config.step_time_prior_s
-        w = self.workers[model.workers[0]]
-        return w.estimator.first_token_s(max(len(w.running), 1), e.prompt_tokens)
-
-    def _estimate_start(self, e: Entry, model: ModelState, now: float) -> float:
-        """When a slot could be free for `e`, given what runs and what queues ahead of it."""
-        free_at: list[float] = []
-        for wid in model.workers:
-            w = self.workers[wid]
-            if w.accepting():
-                # Free slots count only while using one keeps running requests' deadlines.
-                usable = w.slots_free() if self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens) else 0
-                free_at += [now] * usable
-                free_at += sorted(x.est_finish for x in w.running.values())
-            else:
-                batch_end = max(x.est_finish for x in w.running.values())
-                free_at += [batch_end] * w.spec.max_seqs
-        free_at.sort()
-        ahead = len(model.queues[TrafficClass.INTERACTIVE])
-        if e.cls == TrafficClass.BULK:
-            ahead += len(model.queues[TrafficClass.BULK])
-        if not free_at:
-            return math.inf
-        if ahead < len(free_at):
-            start = free_at[ahead]
-        else:
-            # Past the slots we can see, each round of requests ahead takes a whole run
-            # (first token plus its decode), not just a first token.
-            rounds = ahead // len(free_at)
-            run_s = self._service_estimate(e.model, e) + max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
-            start = free_at[ahead % len(free_at)] + rounds * run_s
-        # However many slots look free, the queue ahead drains no faster than the model has
-        # been finishing work lately.
-        rate = self._drain_rate(model, now)
-        if rate > 0:
-            queued = model.queues[TrafficClass.INTERACTIVE].tokens
-            if e.cls == TrafficClass.BULK:
-                queued += model.queues[TrafficClass.BULK].tokens
-            start = max(start, now + queued / rate)
-        return max(start, now)
-
-    def _drain_rate(self, model: ModelState, now: float) -> float:
-        """Tokens (prompt + generated) of finished requests per second, over the drain window."""
-        window = self.config.drain_window_s
-        while model.drained and model.drained[0][0] < now - window:
-            model.drained.popleft()
-        return sum(t for _, t in model.drained) / window
-
-    def _retry_after(self, model: ModelState, tokens: int, now: float) -> float:
-        rate = self._drain_rate(model, now)
-        if rate <= 0:
-            return 1.0
-        return min(max(tokens / rate, 0.01), 60.0)
 
     # ------------------------------------------------------------- bookkeeping
 

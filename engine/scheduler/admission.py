@@ -1,0 +1,151 @@
+"""Admission control: can a request be accepted, and when would it run?
+
+Forecasts from each worker's measured step time (see estimator.py), the queue
+ahead and the rate at which the model has been finishing work. Mixed into the
+Scheduler; reads its state, changes none of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tokenline.engine.scheduler.budget import blocks_for
+from tokenline.engine.scheduler.records import Entry, Refusal, Refuse
+from tokenline.engine.scheduler.state import ModelState, WorkerView
+from tokenline.engine.types import TrafficClass
+
+
+class AdmissionControl:
+    """Estimates and refusals; expects the Scheduler's `config`, `models`, `workers`, `entries`."""
+
+    def _check_admissible(self, e: Entry, now: float) -> Refuse | None:
+        if e.key in self.entries:
+            return Refuse(e.key, Refusal.DUPLICATE, f"request id {e.key!r} is already in flight")
+        model = self.models.get(e.model)
+        if model is None or not model.workers:
+            return Refuse(e.key, Refusal.NO_WORKER, f"no worker is serving model {e.model!r} right now", 1.0)
+        if all(blocks_for(e, self.workers[w].spec.block_size) > self.workers[w].spec.kv_blocks_total - self.config.kv_watermark_blocks for w in model.workers):
+            return Refuse(e.key, Refusal.TOO_LARGE, "prompt plus max_tokens needs more KV cache than a worker has; lower max_tokens or shorten the prompt")
+        cls_cfg = self.config.for_class(e.cls)
+        queue = model.queues[e.cls]
+        if queue.requests + 1 > cls_cfg.max_queued_requests or queue.tokens + e.cost > cls_cfg.max_queued_tokens:
+            excess = max(queue.tokens + e.cost - cls_cfg.max_queued_tokens, e.cost)
+            return Refuse(e.key, Refusal.QUEUE_FULL, f"the {e.cls.name.lower()} queue for {e.model!r} is full ({queue.requests} requests, {queue.tokens} tokens)", self._retry_after(model, excess, now))
+        tenant_cfg = self.config.for_tenant(e.tenant)
+        inflight = self._tenant_inflight[e.tenant]
+        if inflight + 1 > tenant_cfg.max_concurrent:
+            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {inflight} requests in flight, its limit is {tenant_cfg.max_concurrent}", self._retry_after(model, e.cost, now))
+        queued_tokens = self._tenant_queued_tokens[e.tenant]
+        if queued_tokens + e.cost > tenant_cfg.max_queued_tokens:
+            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {queued_tokens} tokens queued, its limit is {tenant_cfg.max_queued_tokens}", self._retry_after(model, e.cost, now))
+        if e.deadline is not None:
+            start = self._estimate_start(e, model, now)
+            done = start + self._service_estimate(e.model, e)
+            what = "its first token"
+            if e.must_complete_by_deadline:
+                done += max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
+                what = f"all {e.max_tokens} tokens"
+            if done > e.deadline:
+                return Refuse(e.key, Refusal.DEADLINE, f"cannot produce {what} before the deadline: estimated at {1000 * (done - now):.0f} ms from now, deadline in {1000 * (e.deadline - now):.0f} ms")
+        return None
+
+    def _decode_step_estimate(self, model_name: str) -> float:
+        model = self.models[model_name]
+        if not model.workers:
+            return self.config.step_time_prior_s
+        w = self.workers[model.workers[0]]
+        return w.estimator.step_s(max(len(w.running), 1))
+
+    def _service_estimate(self, model_name: str, e: Entry) -> float:
+        """Admission to first token on this model's typical worker."""
+        model = self.models[model_name]
+        if not model.workers:
+            return self.config.step_time_prior_s
+        w = self.workers[model.workers[0]]
+        return w.estimator.first_token_s(max(len(w.running), 1), e.prompt_tokens)
+
+    def _estimate_start(self, e: Entry, model: ModelState, now: float) -> float:
+        """When a slot could be free for `e`, given what runs and what queues ahead of it."""
+        free_at: list[float] = []
+        for wid in model.workers:
+            w = self.workers[wid]
+            if w.accepting():
+                # Free slots count only while using one keeps running requests' deadlines.
+                usable = w.slots_free() if self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens) else 0
+                free_at += [now] * usable
+                free_at += sorted(x.est_finish for x in w.running.values())
+            else:
+                batch_end = max(x.est_finish for x in w.running.values())
+                free_at += [batch_end] * w.spec.max_seqs
+        free_at.sort()
+        ahead = len(model.queues[TrafficClass.INTERACTIVE])
+        if e.cls == TrafficClass.BULK:
+            ahead += len(model.queues[TrafficClass.BULK])
+        if not free_at:
+            return math.inf
+        if ahead < len(free_at):
+            start = free_at[ahead]
+        else:
+            # Past the slots we can see, each round of requests ahead takes a whole run
+            # (first token plus its decode), not just a first token.
+            rounds = ahead // len(free_at)
+            run_s = self._service_estimate(e.model, e) + max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
+            start = free_at[ahead % len(free_at)] + rounds * run_s
+        # However many slots look free, the queue ahead drains no faster than the model has
+        # been finishing work lately.
+        rate = self._drain_rate(model, now)
+        if rate > 0:
+            queued = model.queues[TrafficClass.INTERACTIVE].tokens
+            if e.cls == TrafficClass.BULK:
+                queued += model.queues[TrafficClass.BULK].tokens
+            start = max(start, now + queued / rate)
+        return max(start, now)
+
+    def _drain_rate(self, model: ModelState, now: float) -> float:
+        """Tokens (prompt + generated) of finished requests per second, over the drain window."""
+        window = self.config.drain_window_s
+        while model.drained and model.drained[0][0] < now - window:
+            model.drained.popleft()
+        return sum(t for _, t in model.drained) / window
+
+    def _retry_after(self, model: ModelState, tokens: int, now: float) -> float:
+        rate = self._drain_rate(model, now)
+        if rate <= 0:
+            return 1.0
+        return min(max(tokens / rate, 0.01), 60.0)
+
+    def _keeps_deadlines(self, w: WorkerView, batch: int, now: float, prefill_tokens: int = 0) -> bool:
+        """Would every running request that can meet its deadline still meet it after this admission?
+
+        An admission makes every later step slower (a bigger batch) and adds its prompt to the
+        prefill the worker still owes (steps are shared: running sequences wait for it too).
+        Admitting past the point where that costs a running request its deadline would turn
+        one that was going to finish into an expired one.
+        """
+        if not w.spec.continuous:
+            return True
+        per_token = w.estimator.prefill_per_token_s
+        owed = self._prefill_owed(w) * per_token
+        current = w.estimator.step_s(len(w.running))
+        slower = w.estimator.step_s(batch)
+        added = prefill_tokens * per_token
+        for r in w.running.values():
+            if r.deadline is None:
+                continue
+            if now + owed + r.remaining * current <= r.deadline < now + owed + added + r.remaining * slower:
+                return False
+        return True
+
+    def _cannot_complete(self, e: Entry, w: WorkerView, now: float) -> bool:
+        """For work that must finish by its deadline: would it miss it even if it started now?"""
+        if not e.must_complete_by_deadline or e.deadline is None:
+            return False
+        est = w.estimator
+        finish = (now + (self._prefill_owed(w) + e.prompt_tokens + e.generated) * est.prefill_per_token_s
+                  + e.remaining * est.step_s(len(w.running) + 1))
+        return finish > e.deadline
+
+    @staticmethod
+    def _prefill_owed(w: WorkerView) -> int:
+        """Prompt tokens admitted to `w` that it has not computed yet (no token produced since admission)."""
+        return sum(e.prompt_tokens + e.generated for e in w.running.values() if not e.prefilled)

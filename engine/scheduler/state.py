@@ -1,0 +1,43 @@
+"""What the scheduler knows of each worker and each model."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenline.engine.scheduler.estimator import StepEstimator
+from tokenline.engine.scheduler.queues import ClassQueue
+from tokenline.engine.scheduler.records import Entry
+from tokenline.engine.types import TrafficClass, WorkerSpec
+
+
+@dataclass
+class WorkerView:
+    """What the scheduler knows of one worker."""
+
+    spec: WorkerSpec
+    estimator: StepEstimator
+    running: dict[str, Entry] = field(default_factory=dict)  # by run key
+    reserved_blocks: int = 0
+    seq: int = 0  # last admission batch sent
+    applied_seq: int = 0  # last admission batch the worker applied
+    pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
+
+    def accepting(self) -> bool:
+        # A suspect (running when some worker died) runs alone, so a second crash names it.
+        if any(e.crashes for e in self.running.values()):
+            return False
+        return self.spec.continuous or not self.running
+
+    def slots_free(self) -> int:
+        return self.spec.max_seqs - len(self.running) if self.accepting() else 0
+
+
+@dataclass
+class ModelState:
+    queues: dict[TrafficClass, ClassQueue]
+    workers: list[int] = field(default_factory=list)
+    # Integral over time of "no worker of this model has room" (for the queueing split).
+    no_capacity_total: float = 0.0
+    no_capacity_since: float | None = None
+    drained: deque = field(default_factory=deque)  # (time, tokens) of finished requests
