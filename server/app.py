@@ -49,6 +49,7 @@ class ServeConfig:
     tls_client_ca: str | None = None  # PEM CA: require client certificates (mutual TLS); tenant = CN
     idempotency_db: str | None = None  # SQLite file; None: idempotency keys are refused
     idempotency_ttl_s: float = 86_400.0
+    standby_workers: int = 0  # per model: loaded, idle, promoted when a worker dies
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -57,6 +58,8 @@ class ServeConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grace_s < 0:
             raise ValueError("grace_s must be >= 0")
+        if self.standby_workers < 0:
+            raise ValueError("standby_workers must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
@@ -82,7 +85,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     if auth.tenants:  # per-tenant quotas from the keys file feed the scheduler's limits
         scheduler_config = replace(scheduler_config, tenants={**scheduler_config.tenants, **auth.quotas()})
     idempotency = IdempotencyStore(config.idempotency_db, config.idempotency_ttl_s) if config.idempotency_db else None
-    runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models})
+    runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers)
     telemetry = telemetry or Telemetry(config.telemetry)
     telemetry.watch(runtime, default_model)
     try:

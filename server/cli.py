@@ -26,6 +26,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model: SmolLM2-135M-Instruct (default), 'tiny', or a model folder")
     p.add_argument("--model-name", default=None, help="name callers use for the model (default: derived)")
     p.add_argument("--workers", type=int, default=1, help="worker processes for the model (default %(default)s)")
+    p.add_argument("--standby-workers", type=int, default=0,
+                   help="extra workers per model that load the model and wait; one takes over at once when a worker dies")
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm", help="vllm, or the simulated engine")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache per worker in MiB (default %(default)s)")
     p.add_argument("--max-seqs", type=int, default=64, help="sequences a worker runs at once (default %(default)s)")
@@ -83,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              grace_s=args.grace_s, fault_marker=args.fault_marker,
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db),
-                             idempotency_ttl_s=args.idempotency_ttl_s,
+                             idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:

@@ -108,7 +108,7 @@ class RuntimeStats:
 
 class Runtime:
     def __init__(self, scheduler_config: SchedulerConfig, workers: dict[str, tuple[WorkerConfig, int]],
-                 *, restart_workers: bool = True, quarantine_s: float = 600.0):
+                 *, restart_workers: bool = True, quarantine_s: float = 600.0, standby: int = 0):
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
@@ -129,6 +129,10 @@ class Runtime:
         self._last_timer_run: float | None = None
         self._next_worker_id = 0
         self._worker_model: dict[int, str] = {}
+        # Standby workers load the model but take no work until an active worker dies.
+        self.standby = standby
+        self._standby_ids: set[int] = set()  # spawned as standby, not yet promoted
+        self._standby_ready: dict[str, dict[int, WorkerSpec]] = {name: {} for name in workers}
         self._closing = False
         self.start_errors: dict[str, str] = {}
 
@@ -138,11 +142,15 @@ class Runtime:
         for model, (cfg, count) in self.worker_configs.items():
             for _ in range(count):
                 self._spawn(model, cfg)
+            for _ in range(self.standby):
+                self._spawn(model, cfg, standby=True)
 
-    def _spawn(self, model: str, cfg: WorkerConfig) -> None:
+    def _spawn(self, model: str, cfg: WorkerConfig, *, standby: bool = False) -> None:
         wid = self._next_worker_id
         self._next_worker_id += 1
         self._worker_model[wid] = model
+        if standby:
+            self._standby_ids.add(wid)
         handle = WorkerHandle(
             wid, cfg,
             on_message=lambda w, m: self.loop.call_soon_threadsafe(self._on_worker_message, w, m),
@@ -157,28 +165,60 @@ class Runtime:
     def _on_worker_message(self, wid: int, msg: object) -> None:
         if isinstance(msg, StepReport):
             self._on_step(msg)
+        elif isinstance(msg, WorkerSpec) and wid in self._standby_ids:
+            self._standby_ready[msg.model][wid] = msg
+            log.info("standby worker %d ready: model %s, pid %d", wid, msg.model, msg.pid)
         elif isinstance(msg, WorkerSpec):
-            self.specs[wid] = msg
-            self._capacity_changed()
-            log.info("worker %d ready: model %s, %d KV blocks of %d, %d seqs", wid, msg.model, msg.kv_blocks_total, msg.block_size, msg.max_seqs)
-            self._handle(self.scheduler.add_worker(msg))
+            self._activate(wid, msg)
         elif isinstance(msg, WorkerFailed):
             model = self._worker_model.get(wid, "?")
             self.start_errors[model] = msg.message
             log.error("worker %d failed to start: %s", wid, msg.message)
 
+    def _activate(self, wid: int, spec: WorkerSpec) -> None:
+        self.specs[wid] = spec
+        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs", wid, spec.model, spec.pid,
+                 spec.kv_blocks_total, spec.block_size, spec.max_seqs)
+        self._handle(self.scheduler.add_worker(spec))
+        self._capacity_changed()
+
     def _on_worker_exit(self, wid: int, exitcode: int | None) -> None:
         handle = self.handles.pop(wid, None)
         self.specs.pop(wid, None)
         model = self._worker_model.pop(wid, None)
+        was_standby = wid in self._standby_ids
+        self._standby_ids.discard(wid)
+        if model is not None:
+            self._standby_ready[model].pop(wid, None)
         if handle is None or self._closing:
             return
-        log.warning("worker %d (model %s) exited with code %s", wid, model, exitcode)
-        self._handle(self.scheduler.worker_lost(wid))
-        self._capacity_changed()
+        log.warning("%sworker %d (model %s) exited with code %s", "standby " if was_standby else "", wid, model, exitcode)
+        if not was_standby:
+            self._handle(self.scheduler.worker_lost(wid))
+            promoted = self._promote_standby(model) if model is not None else False
+            if not promoted:
+                self._capacity_changed()
         if self.restart_workers and model is not None and model not in self.start_errors:
             self.stats.worker_restarts += 1
-            self._spawn(model, self.worker_configs[model][0])
+            # A promoted standby is replaced by a new standby; otherwise the worker itself restarts.
+            standby = was_standby or (self.standby > 0 and len(self._standby_ids) < self.standby)
+            self._spawn(model, self.worker_configs[model][0], standby=standby and not self._needs_active(model))
+
+    def _promote_standby(self, model: str) -> bool:
+        """Put a loaded standby worker to work at once, in place of one that died."""
+        ready = self._standby_ready[model]
+        if not ready:
+            return False
+        wid, spec = ready.popitem()
+        self._standby_ids.discard(wid)
+        log.warning("standby worker %d takes over for model %s", wid, model)
+        self._activate(wid, spec)
+        return True
+
+    def _needs_active(self, model: str) -> bool:
+        """Fewer active (or loading, non-standby) workers than configured."""
+        active = sum(1 for w, m in self._worker_model.items() if m == model and w not in self._standby_ids)
+        return active < self.worker_configs[model][1]
 
     def _capacity_changed(self) -> None:
         serving = all(self.model_loaded(m) for m in self.worker_configs)

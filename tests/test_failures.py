@@ -163,3 +163,60 @@ def test_a_poison_request_is_quarantined_after_two_crashes_while_other_traffic_c
             client.complete(f"{MARKER} please crash", max_tokens=16, ignore_eos=True)
     assert info.value.code.name == "FAILED_PRECONDITION"
     assert worker_pids(server) == pids_before
+
+
+def test_with_a_standby_worker_a_killed_worker_is_replaced_at_once_and_health_never_drops():
+    import re
+
+    s = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
+                      "--standby-workers", "1").start()
+    try:
+        assert wait_until(lambda: "standby worker" in s.output() and "ready" in s.output(), timeout=120)
+        active_pid = int(re.search(r"worker \d+ ready: model \S+, pid (\d+), \d+ KV", s.output()).group(1))
+        reference, _, _ = asyncio.run(run_streams(s.address))
+        expected = [[t for d in deltas for t in d.token_ids] for deltas, _ in reference]
+
+        health_seen, stop = [], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                try:
+                    health_seen.append(s.health())
+                except Exception:
+                    pass
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+
+        marks = {}
+
+        async def kill_active_mid_stream():
+            async with AsyncClient(s.address) as client:
+                async def one(prompt, kill):
+                    deltas = []
+                    async for d in client.generate(prompt, max_tokens=96, temperature=0, ignore_eos=True):
+                        deltas.append(d)
+                        if d.attempt > 1 and "killed" in marks:
+                            marks.setdefault("resumed", time.monotonic())
+                        if kill and sum(len(x.token_ids) for x in deltas) >= 20:
+                            kill = False
+                            marks["killed"] = time.monotonic()
+                            os.kill(active_pid, signal.SIGKILL)
+                    return deltas
+                return await asyncio.gather(*(one(p, i == 0) for i, p in enumerate(PROMPTS)))
+
+        results = asyncio.run(kill_active_mid_stream())
+        stop.set()
+        watcher.join()
+        for deltas, want in zip(results, expected):
+            assert [t for d in deltas for t in d.token_ids] == want
+        assert any(d.attempt > 1 for deltas in results for d in deltas)
+        # The standby took over in the same instant: health never said NOT_SERVING.
+        assert health_pb2.HealthCheckResponse.NOT_SERVING not in health_seen
+        assert "takes over" in s.output()
+        print(f"\nstandby takeover: first token after the kill in {marks['resumed'] - marks['killed']:.2f} s")
+        # And a new standby is loaded to take the next failure.
+        assert wait_until(lambda: s.output().count("standby worker") >= 3, timeout=120)
+    finally:
+        s.stop()
