@@ -5,6 +5,8 @@ No I/O here: the clients call these around each RPC, and tests call them directl
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TypedDict
 
 import math
@@ -187,30 +189,11 @@ def finish_reason_name(reason: int) -> str | None:
 
 
 def timeline_from_proto(timeline: pb.Timeline) -> ServerTimeline:
-    """The ServerTimeline of a proto Timeline; stamps the server did not set are None."""
-    optional = {
-        name: getattr(timeline, name) if timeline.HasField(name) else None
-        for name in _OPTIONAL_STAMPS
-    }
-    return ServerTimeline(
-        received_ms=timeline.received_ms,
-        validated_ms=timeline.validated_ms,
-        enqueued_ms=timeline.enqueued_ms,
-        admitted_ms=timeline.admitted_ms,
-        admission_wait_ms=timeline.admission_wait_ms,
-        queueing_ms=timeline.queueing_ms,
-        prefill_ms=timeline.prefill_ms,
-        decode_ms=timeline.decode_ms,
-        return_ms=timeline.return_ms,
-        ttft_ms=timeline.ttft_ms,
-        itl_mean_ms=timeline.itl_mean_ms,
-        completion_ms=timeline.completion_ms,
-        attempts=timeline.attempts,
-        preemptions=timeline.preemptions,
-        lost_preemption_ms=timeline.lost_preemption_ms,
-        lost_retry_ms=timeline.lost_retry_ms,
-        **optional,
-    )
+    """The ServerTimeline of a proto Timeline (same field names); stamps the server did not set are None."""
+    return ServerTimeline(**{
+        f.name: (getattr(timeline, f.name) if f.name not in _OPTIONAL_STAMPS or timeline.HasField(f.name) else None)
+        for f in dataclasses.fields(ServerTimeline)
+    })
 
 
 def usage_from_proto(usage: pb.Usage) -> Usage:

@@ -31,24 +31,21 @@ class ServerProcess:
         self._listening = threading.Event()
 
     def start(self, timeout: float = 300.0) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "tokenline.server.cli", "serve", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=self.env, start_new_session=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self._ready.wait(timeout):
-            self.stop()
-            raise RuntimeError(f"server did not become ready in {timeout}s:\n{self.output()}")
-        return self
+        """Start and wait until every model has a worker (health SERVING)."""
+        return self._launch(self._ready, "become ready", timeout)
 
     def start_listening(self, timeout: float = 120.0) -> "ServerProcess":
         """Start without waiting for the workers (to observe start-up)."""
+        return self._launch(self._listening, "listen", timeout)
+
+    def _launch(self, reached: threading.Event, what: str, timeout: float) -> "ServerProcess":
         cmd = [sys.executable, "-m", "tokenline.server.cli", "serve", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=self.env, start_new_session=True)
         threading.Thread(target=self._pump, daemon=True).start()
-        if not self._listening.wait(timeout):
+        if not reached.wait(timeout):
             self.stop()
-            raise RuntimeError(f"server did not listen in {timeout}s:\n{self.output()}")
+            raise RuntimeError(f"server did not {what} in {timeout}s:\n{self.output()}")
         return self
 
     def _pump(self) -> None:
@@ -94,6 +91,32 @@ class ServerProcess:
         assert self.proc is not None
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+
+class HealthWatcher:
+    """Polls a server's health in the background while a block runs; `seen` keeps every answer."""
+
+    def __init__(self, server: ServerProcess, interval: float = 0.05):
+        self.server, self.interval = server, interval
+        self.seen: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.seen.append(self.server.health())
+            except Exception:  # the server may be busy restarting a worker; keep polling
+                pass
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "HealthWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:

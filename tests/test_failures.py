@@ -3,7 +3,6 @@
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -11,7 +10,7 @@ from grpc_health.v1 import health_pb2
 
 from tokenline.client import AsyncClient, Client
 from tokenline.client.errors import TokenlineError
-from tests.support import ServerProcess, wait_until
+from tests.support import HealthWatcher, ServerProcess, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -79,22 +78,9 @@ def test_worker_sigkill_mid_stream_every_stream_completes_once_with_the_uninterr
     expected = [[t for d in deltas for t in d.token_ids] for deltas, _ in reference]
     assert all(len(e) == 96 for e in expected)
 
-    health_seen = []
-    stop_watch = threading.Event()
-
-    def watch_health():
-        while not stop_watch.is_set():
-            try:
-                health_seen.append(server.health())
-            except Exception:
-                pass
-            time.sleep(0.1)
-
-    watcher = threading.Thread(target=watch_health, daemon=True)
-    watcher.start()
-    results, killed_at, first_after_kill = asyncio.run(run_streams(server.address, kill_after_tokens=20, server=server))
-    stop_watch.set()
-    watcher.join()
+    with HealthWatcher(server) as health:
+        results, killed_at, first_after_kill = asyncio.run(run_streams(server.address, kill_after_tokens=20, server=server))
+    health_seen = health.seen
     assert killed_at is not None
     # While the only worker was down, health said so; it came back once the worker was restarted.
     assert health_pb2.HealthCheckResponse.NOT_SERVING in health_seen
@@ -176,19 +162,6 @@ def test_with_a_standby_worker_a_killed_worker_is_replaced_at_once_and_health_ne
         reference, _, _ = asyncio.run(run_streams(s.address))
         expected = [[t for d in deltas for t in d.token_ids] for deltas, _ in reference]
 
-        health_seen, stop = [], threading.Event()
-
-        def watch():
-            while not stop.is_set():
-                try:
-                    health_seen.append(s.health())
-                except Exception:
-                    pass
-                time.sleep(0.05)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-
         marks = {}
 
         async def kill_active_mid_stream():
@@ -206,9 +179,9 @@ def test_with_a_standby_worker_a_killed_worker_is_replaced_at_once_and_health_ne
                     return deltas
                 return await asyncio.gather(*(one(p, i == 0) for i, p in enumerate(PROMPTS)))
 
-        results = asyncio.run(kill_active_mid_stream())
-        stop.set()
-        watcher.join()
+        with HealthWatcher(s) as health:
+            results = asyncio.run(kill_active_mid_stream())
+        health_seen = health.seen
         for deltas, want in zip(results, expected):
             assert [t for d in deltas for t in d.token_ids] == want
         assert any(d.attempt > 1 for deltas in results for d in deltas)
