@@ -1,0 +1,176 @@
+"""The machine a server runs on, and the defaults it gives: workers, threads per worker, KV cache per worker.
+
+`read_machine()` reads, once at start-up, the CPUs this process may use (its affinity, cut by the
+cgroup's cpu.max quota), the memory actually available (MemAvailable, cut by the cgroup's
+memory.max) and the GPUs visible. `plan_workers()` is a pure function of those readings and the
+operator's flags, so tests can hand it any machine.
+
+The rules, measured on the 2-core CPU boxes (see README, "Sizing from the machine"):
+- CPU: one worker per usable CPU, one OpenMP thread each. Two 1-thread workers out-serve one
+  2-thread engine at saturation, and a 1-thread worker's step does not swing when another process
+  wants a core.
+- GPU: one worker per GPU.
+- KV cache: a share of the memory left once the frontend, every worker's own footprint (weights,
+  activations, the Python runtime) and the OS are set aside, split between workers and never more
+  than `max_seqs` sequences of `max_model_len` tokens can use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+FRONTEND_RESERVE_BYTES = 1 * GiB  # the gRPC frontend, tokenizers, the OS's own slack
+WORKER_FOOTPRINT_BYTES = 2 * GiB  # one in-process vLLM engine without its KV cache (measured ~1.7 GiB)
+KV_MEMORY_SHARE = 0.5  # of what is left: the rest stays free for the page cache and anything else
+MIN_KV_BYTES = 64 * MiB
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this process may use."""
+
+    cpus: int  # usable CPUs: affinity, cut by the cgroup quota (at least 1)
+    available_bytes: int  # memory available to new processes
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How a model is run on this machine, and why."""
+
+    workers: int
+    threads: int  # OpenMP threads per worker
+    kv_cache_bytes: int  # per worker
+    machine: Machine
+    kv_share: float  # all workers' KV ÷ available memory
+
+    def describe(self) -> str:
+        """The start-up line: '2 workers × 1 thread, KV 4.5 GiB each (40 % of available memory; 2 CPUs, 22.4 GiB available)'."""
+        w = f"{self.workers} worker{'s' if self.workers != 1 else ''}"
+        t = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        gpus = f", {self.machine.gpus} GPUs" if self.machine.gpus else ""
+        return (f"{w} × {t}, KV {_size(self.kv_cache_bytes)} each ({100 * self.kv_share:.0f} % of available memory; "
+                f"{self.machine.cpus} CPUs{gpus}, {_size(self.machine.available_bytes)} available)")
+
+
+def plan_workers(machine: Machine, *, workers: int | None = None, threads: int | None = None,
+                 kv_cache_bytes: int | None = None, standby: int = 0,
+                 kv_bytes_per_token: int | None = None, max_seqs: int = 64, max_model_len: int = 4096) -> WorkerPlan:
+    """Workers, threads and KV per worker: what the operator gave, the rest from the machine."""
+    for name, value in (("workers", workers), ("threads", threads), ("kv_cache_bytes", kv_cache_bytes)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if threads is None:
+        threads = 1 if workers is None or machine.gpus else max(1, machine.cpus // workers)
+    if workers is None:
+        if machine.gpus:
+            workers = machine.gpus
+        else:
+            by_cpu = max(1, machine.cpus // threads)
+            # Never so many that each worker's own footprint and a minimal KV cache no longer fit.
+            room = machine.available_bytes - FRONTEND_RESERVE_BYTES
+            by_memory = max(1, room // (WORKER_FOOTPRINT_BYTES + MIN_KV_BYTES) - standby)
+            workers = min(by_cpu, by_memory)
+    if kv_cache_bytes is None:
+        processes = workers + standby
+        left = machine.available_bytes - FRONTEND_RESERVE_BYTES - processes * WORKER_FOOTPRINT_BYTES
+        kv_cache_bytes = int(KV_MEMORY_SHARE * max(left, 0) / processes)
+        if kv_bytes_per_token:
+            kv_cache_bytes = min(kv_cache_bytes, kv_bytes_per_token * max_seqs * max_model_len)
+        kv_cache_bytes = max(kv_cache_bytes // MiB * MiB, MIN_KV_BYTES)
+    share = kv_cache_bytes * (workers + standby) / max(machine.available_bytes, 1)
+    return WorkerPlan(workers, threads, kv_cache_bytes, machine, share)
+
+
+def read_machine() -> Machine:
+    return Machine(cpus=usable_cpus(), available_bytes=available_memory(), gpus=visible_gpus())
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on, cut by a cgroup v2 CPU quota ("cpu.max": quota period)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_file("cpu.max")
+    if quota:
+        parts = quota.split()
+        if len(parts) == 2 and parts[0] != "max":
+            try:
+                cpus = min(cpus, max(1, math.floor(int(parts[0]) / int(parts[1]))))
+            except (ValueError, ZeroDivisionError):
+                pass
+    return max(cpus, 1)
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo, cut by what the cgroup's memory.max still allows."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            available = 4 * GiB
+    limit, current = _cgroup_file("memory.max"), _cgroup_file("memory.current")
+    if limit and limit != "max" and limit.isdigit():
+        used = int(current) if current and current.isdigit() else 0
+        available = min(available, max(int(limit) - used, 0))
+    return available
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else the driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
+    except OSError:
+        return 0
+
+
+def kv_bytes_per_token(model_path: str | Path, dtype: str = "bfloat16") -> int | None:
+    """KV cache bytes one token takes in this model (keys and values, every layer), from config.json."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 2)
+
+
+def _cgroup_file(name: str) -> str | None:
+    """A file of this process's cgroup v2 directory, stripped; None if there is none."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                return (Path("/sys/fs/cgroup") / line[3:].lstrip("/") / name).read_text().strip()
+    except OSError:
+        return None
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"

@@ -1,0 +1,66 @@
+"""Defaults from the machine: workers, threads and KV cache per worker (engine/machine.py), as plain functions."""
+
+import pytest
+
+from tokenline.engine.machine import GiB, MiB, Machine, kv_bytes_per_token, plan_workers, read_machine
+
+
+def test_one_single_thread_worker_per_usable_cpu():
+    plan = plan_workers(Machine(cpus=2, available_bytes=22 * GiB))
+    assert (plan.workers, plan.threads) == (2, 1)
+
+
+def test_kv_cache_is_a_share_of_what_is_left_split_between_workers():
+    machine = Machine(cpus=2, available_bytes=22 * GiB)
+    one, two = plan_workers(machine, workers=1), plan_workers(machine, workers=2)
+    assert two.kv_cache_bytes < one.kv_cache_bytes
+    # frontend + every worker's own footprint + all the KV stay well inside what is available
+    assert 1 * GiB + 2 * (2 * GiB + two.kv_cache_bytes) < machine.available_bytes
+    assert 0 < two.kv_share < 1
+
+
+def test_kv_cache_never_exceeds_what_max_seqs_sequences_of_max_model_len_can_use():
+    plan = plan_workers(Machine(cpus=2, available_bytes=200 * GiB), kv_bytes_per_token=1024, max_seqs=4, max_model_len=1024)
+    assert plan.kv_cache_bytes == 64 * MiB  # the cap (4 MiB) is below the floor
+    plan = plan_workers(Machine(cpus=2, available_bytes=200 * GiB), kv_bytes_per_token=23040, max_seqs=64, max_model_len=4096)
+    assert plan.kv_cache_bytes <= 23040 * 64 * 4096
+
+
+def test_flags_override_the_machine():
+    plan = plan_workers(Machine(cpus=8, available_bytes=64 * GiB), workers=3, threads=2, kv_cache_bytes=512 * MiB)
+    assert (plan.workers, plan.threads, plan.kv_cache_bytes) == (3, 2, 512 * MiB)
+
+
+def test_workers_given_without_threads_share_the_cpus():
+    assert plan_workers(Machine(cpus=8, available_bytes=64 * GiB), workers=2).threads == 4
+
+
+def test_small_memory_limits_the_number_of_workers():
+    plan = plan_workers(Machine(cpus=16, available_bytes=6 * GiB))
+    assert plan.workers == 2
+
+
+def test_one_worker_per_gpu():
+    plan = plan_workers(Machine(cpus=16, available_bytes=64 * GiB, gpus=4))
+    assert (plan.workers, plan.threads) == (4, 1)
+
+
+def test_a_bad_flag_is_refused_with_its_name():
+    with pytest.raises(ValueError, match="workers"):
+        plan_workers(Machine(cpus=2, available_bytes=8 * GiB), workers=0)
+
+
+def test_the_start_up_line_says_workers_threads_and_kv():
+    line = plan_workers(Machine(cpus=2, available_bytes=22 * GiB)).describe()
+    assert line.startswith("2 workers × 1 thread, KV ") and "% of available memory" in line
+
+
+def test_this_machine_reads_sensibly():
+    m = read_machine()
+    assert m.cpus >= 1 and m.available_bytes > 0 and m.gpus >= 0
+
+
+def test_kv_bytes_per_token_from_a_llama_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}')
+    assert kv_bytes_per_token(tmp_path) == 2 * 30 * 3 * 64 * 2
+    assert kv_bytes_per_token(tmp_path / "missing") is None
