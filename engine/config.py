@@ -27,6 +27,7 @@ class WorkerConfig:
     backend: str = "vllm"  # "vllm" | "sim"
     kv_cache_bytes: int = 512 * MiB
     max_seqs: int = 64
+    threads: int = 1  # OpenMP threads of the worker's engine (OMP_NUM_THREADS); engine/machine.py picks the default
     max_model_len: int = 4096
     block_size: int = 128  # tokens per KV block; vLLM on CPU wants a multiple of 32
     prefill_token_budget: int = 2048  # tokens one step may compute (vLLM max_num_batched_tokens)
@@ -51,7 +52,7 @@ class WorkerConfig:
             raise ValueError(f"backend {self.backend!r} is unknown: use one of {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
-        for name in ("kv_cache_bytes", "max_seqs", "max_model_len", "block_size", "prefill_token_budget"):
+        for name in ("kv_cache_bytes", "max_seqs", "threads", "max_model_len", "block_size", "prefill_token_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

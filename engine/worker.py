@@ -35,7 +35,6 @@ IDLE_STEP_WAIT_S = 0.01  # after a step that scheduled nothing, wait this long f
 
 # Set before torch or vLLM is imported in the worker; setdefault lets an operator override.
 _WORKER_ENV_DEFAULTS = {
-    "OMP_NUM_THREADS": "1",  # with more, decode steps swing 40x whenever another process wants a core
     "VLLM_HOST_IP": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -49,6 +48,7 @@ def worker_main(conn: Connection, worker_id: int, config: WorkerConfig) -> None:
     """The worker process: load the model, say what it can hold, then run the step loop."""
     for name, value in _WORKER_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    os.environ["OMP_NUM_THREADS"] = str(config.threads)  # the plan's (or --threads') choice, before torch loads
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
 

@@ -25,11 +25,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=50051, help="port; 0 picks a free one (default %(default)s)")
     p.add_argument("--model", default=None, help="model: SmolLM2-135M-Instruct (default), 'tiny', or a model folder")
     p.add_argument("--model-name", default=None, help="name callers use for the model (default: derived)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes for the model (default %(default)s)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes for the model (default: one per usable CPU, or per GPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OpenMP threads per worker (default: 1, or the CPUs divided among --workers when that is given)")
     p.add_argument("--standby-workers", type=int, default=0,
                    help="extra workers per model that load the model and wait; one takes over at once when a worker dies")
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm", help="vllm, or the simulated engine")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache per worker in MiB (default %(default)s)")
+    p.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="KV cache per worker in MiB (default: a share of available memory, split between workers)")
     p.add_argument("--max-seqs", type=int, default=64, help="sequences a worker runs at once (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=4096, help="context limit in tokens (default %(default)s)")
     p.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (default %(default)s)")
@@ -62,6 +66,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from tokenline.engine.config import WorkerConfig
+    from tokenline.engine.machine import kv_bytes_per_token, plan_workers, read_machine
     from tokenline.engine.models import ModelPrepError, resolve_model
     from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
     from tokenline.server.app import ServeConfig, run
@@ -71,9 +76,13 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         path = resolve_model(args.model)
         name = args.model_name or path.name
+        plan = plan_workers(read_machine(), workers=args.workers, threads=args.threads,
+                            kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
+                            standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path),
+                            max_seqs=args.max_seqs, max_model_len=args.max_model_len)
         worker = WorkerConfig(
-            model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=args.kv_cache_mb * MiB,
-            max_seqs=args.max_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+            model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=plan.kv_cache_bytes,
+            threads=plan.threads, max_seqs=args.max_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
             prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker,
         )
         sched = SchedulerConfig(
@@ -81,7 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
             bulk=ClassConfig(args.bulk_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),
             bulk_floor=args.bulk_floor,
         )
-        config = ServeConfig(host=args.host, port=args.port, models=((worker, args.workers),), scheduler=sched,
+        config = ServeConfig(host=args.host, port=args.port, models=((worker, plan.workers),), scheduler=sched,
                              grace_s=args.grace_s, fault_marker=args.fault_marker,
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db),
@@ -91,6 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, ModelPrepError) as err:
         print(f"tokenline serve: {err}", file=sys.stderr)
         return 2
+    print(f"tokenline: {name}: {plan.describe()}", flush=True)
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)

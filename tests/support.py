@@ -22,7 +22,9 @@ class ServerProcess:
     """`tokenline serve ARGS` in its own process group, its output kept for failure reports."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.args = ["--port", "0", *args]
+        # One 1-thread worker unless a test asks for more: the machine-sized default would start one per CPU.
+        sizing = [*(() if "--workers" in args else ("--workers", "1")), *(() if "--threads" in args else ("--threads", "1"))]
+        self.args = ["--port", "0", *sizing, *args]
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.lines: deque[str] = deque(maxlen=2000)
