@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +30,22 @@ from tokenline.server.timeline import Timeline
 log = logging.getLogger("tokenline.runtime")
 
 
+@dataclass(frozen=True, order=True)
+class RequestKey:
+    """Who owns a request id: ids are the caller's choice, so they are unique only within a tenant.
+
+    Kept as two fields, never joined into one string that a tenant name or id containing a
+    separator could forge. `str()` (the scheduler's run keys and worker ids) is JSON, which is
+    injective.
+    """
+
+    tenant: str
+    request_id: str
+
+    def __str__(self) -> str:
+        return json.dumps([self.tenant, self.request_id])
+
+
 @dataclass
 class Chunk:
     """Tokens for the stream: index of the first one, ids and text."""
@@ -41,9 +58,7 @@ class Chunk:
 
 @dataclass
 class RequestState:
-    key: str  # tenant-scoped
-    request_id: str
-    tenant: str
+    key: RequestKey
     model: str
     cls: TrafficClass
     prompt_ids: list[int]
@@ -88,6 +103,14 @@ class RequestState:
     def fingerprint(self) -> str:
         return fingerprint(self.model, self.sampling, self.prompt_ids)
 
+    @property
+    def request_id(self) -> str:
+        return self.key.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.key.tenant
+
 
 def fingerprint(model: str, sampling: Sampling, prompt_ids: list[int]) -> str:
     """Canonical hash of what makes two requests the same work: model, prompt tokens and sampling."""
@@ -112,7 +135,7 @@ class Runtime:
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[RequestKey, RequestState] = {}
         self.by_run: dict[str, RequestState] = {}
         self.handles: dict[int, WorkerHandle] = {}
         self.specs: dict[int, WorkerSpec] = {}
@@ -247,7 +270,7 @@ class Runtime:
             self.requests.pop(state.key, None)
             raise state.error
 
-    def cancel(self, key: str) -> bool:
+    def cancel(self, key: RequestKey) -> bool:
         state = self.requests.get(key)
         if state is None or state.done:
             return False

@@ -25,7 +25,7 @@ from tokenline.server.errors import (
     abort_with,
 )
 from tokenline.server.idempotency import IdempotencyStore
-from tokenline.server.runtime import RequestState, Runtime, fingerprint
+from tokenline.server.runtime import RequestKey, RequestState, Runtime, fingerprint
 from tokenline.server.timeline import Timeline
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
@@ -138,7 +138,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         except ServingError as err:
             await abort_with(context, err)
         # Another tenant's request is indistinguishable from no request at all.
-        key = _key(tenant, request.request_id)
+        key = RequestKey(tenant, request.request_id)
         if not request.request_id or not self.runtime.cancel(key):
             await abort_with(context, RequestNotFound(f"no request {request.request_id!r} is queued or running"))
         return pb.CancelResponse(cancelled=True)
@@ -189,7 +189,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         request_id = valid.request_id or uuid.uuid4().hex
         timeline = Timeline(received=received, validated=now)
         marker = bool(self.fault_marker) and request.WhichOneof("prompt") == "text" and self.fault_marker in request.text
-        state = RequestState(key=_key(tenant, request_id), request_id=request_id, tenant=tenant,
+        state = RequestState(key=RequestKey(tenant, request_id),
                              model=valid.model.name, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
                              timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key,
                              must_complete_by_deadline=request.require_completion_by_deadline)
@@ -319,8 +319,6 @@ def add_to_server(servicer: TokenlineServicer, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
-def _key(tenant: str, request_id: str) -> str:
-    return f"{tenant}/{request_id}"
 
 
 def _deadline(context: grpc.aio.ServicerContext, deadline_unix_ms: int, now: float) -> float | None:

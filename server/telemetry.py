@@ -39,7 +39,7 @@ from tokenline.engine.scheduler.records import Retry, StopRun
 from tokenline.engine.types import StepReport, TrafficClass
 
 if TYPE_CHECKING:
-    from tokenline.server.runtime import RequestState, Runtime
+    from tokenline.server.runtime import RequestKey, RequestState, Runtime
 
 log = logging.getLogger("tokenline.telemetry")
 
@@ -137,7 +137,7 @@ class Telemetry:
         self._default_model = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
-        self._extra: dict[str, _Extra] = {}
+        self._extra: dict[RequestKey, _Extra] = {}
         self._last_step: dict[int, StepReport] = {}
         self._tenants: set[str] = set()
         self._snapshot = _Snapshot()
@@ -353,9 +353,9 @@ class Telemetry:
                 "tokenline.kv_blocks_free": report.kv_blocks_free, "tokenline.step_s": report.step_s})
             span.end(end_time=self._wall_ns(now))
             for run_key in report.first_scheduled:
-                key = _request_key(run_key)
-                if key in runtime.requests:
-                    self._extra.setdefault(key, _Extra()).links.append(span.get_span_context())
+                st = runtime.by_run.get(run_key)
+                if st is not None:
+                    self._extra.setdefault(st.key, _Extra()).links.append(span.get_span_context())
         if len(self._extra) > MAX_TRACKED:  # a request whose call ended without on_request_done (rare)
             for key in [k for k in self._extra if k not in runtime.requests]:
                 del self._extra[key]
@@ -463,11 +463,6 @@ class Telemetry:
     def _wall_ns(self, monotonic_s: float) -> int:
         """A stamp of this process's monotonic clock as epoch nanoseconds, for span times."""
         return int(monotonic_s * 1e9) + self._wall_offset_ns
-
-
-def _request_key(run_key: str) -> str:
-    """The request key of a run key ("<tenant>/<id>@<run>")."""
-    return run_key.rpartition("@")[0] or run_key
 
 
 def _span_ms(a: float | None, b: float | None) -> float:
