@@ -39,6 +39,7 @@ class SimRequest:
     tenant: str = "default"
     cancel_at: float | None = None
     must_complete: bool = False
+    stops_after: int | None = None  # the model ends it on its own (eos) after this many tokens; None: at max_tokens
 
 
 @dataclass
@@ -100,6 +101,7 @@ class SimWorker:
     steps: int = 0
     busy_time: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)
+    kv_blocks_peak: int = 0  # most KV blocks its sequences held in one step (what vLLM would have to allocate)
 
 
 def worker_spec(worker_id: int, *, max_seqs: int, continuous: bool, kv_blocks: int = 1_000_000, block_size: int = 16, prefill_token_budget: int = 1_000_000, model: str = "sim") -> WorkerSpec:
@@ -123,6 +125,7 @@ class Simulation:
         self._timer_at: float | None = None
         self._last_timer_run: float | None = None
         self.dispatched: list[tuple[float, str, int]] = []  # (time, key, worker) of every admission
+        self._stops_after: dict[str, int | None] = {}
         self.max_queue = 0
         for w in self.workers.values():
             self._handle(self.scheduler.add_worker(w.spec))
@@ -170,6 +173,7 @@ class Simulation:
 
     def _arrive(self, r: SimRequest) -> None:
         self.outcomes[r.key] = Outcome(r.key, r.cls, r.tenant, r.arrival)
+        self._stops_after[r.key] = r.stops_after
         entry = Entry(key=r.key, model=next(iter(self.workers.values())).spec.model, tenant=r.tenant, cls=r.cls,
                       prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens, arrival=r.arrival, deadline=r.deadline,
                       must_complete_by_deadline=r.must_complete)
@@ -205,7 +209,8 @@ class Simulation:
                     if o.departed is None:
                         o.departed = now
                     e = self.scheduler.entries[adm.key]
-                    seqs.append(_Seq(adm.run_key, e.max_tokens - adm.generated, e.prompt_tokens + adm.generated))
+                    stop = min(e.max_tokens, self._stops_after.get(adm.key) or e.max_tokens)
+                    seqs.append(_Seq(adm.run_key, stop - adm.generated, e.prompt_tokens + adm.generated))
                 w.pending.append((a.seq, seqs))
                 if w.busy_until is None:
                     self._start_step(w)
@@ -246,6 +251,8 @@ class Simulation:
             w.busy_until = None
             return
         prefill = sum(s.prompt_tokens for s in w.running.values() if not s.prefilled)
+        held = sum(-(-(s.prompt_tokens + s.generated + 1) // w.spec.block_size) for s in w.running.values())
+        w.kv_blocks_peak = max(w.kv_blocks_peak, held)
         duration = w.cost(len(w.running), prefill)
         w.busy_until = self.clock.now + duration
         w.busy_time += duration

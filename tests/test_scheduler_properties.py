@@ -5,7 +5,6 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenline.engine.scheduler.budget import StepBudget
 from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig, TenantConfig
 from tokenline.engine.scheduler.status import Status
 from tokenline.engine.simulation import SimRequest, Simulation, linear_cost, worker_spec
@@ -41,8 +40,10 @@ def check_invariants(sim: Simulation) -> None:
     sched = sim.scheduler
     now = sim.clock.now
     for w in sched.workers.values():
-        # KV and slot budgets are never exceeded.
-        assert w.reserved_blocks <= w.spec.kv_blocks_total - sched.config.kv_watermark_blocks
+        # KV is never overcommitted while a run there could be preempted for it (only runs that may
+        # not be preempted, interactive or promised, may outgrow it: vLLM then preempts by priority).
+        if w.reserved_blocks > w.spec.kv_blocks_total - sched.config.kv_watermark_blocks:
+            assert not any(sched._may_preempt_for_kv(e) for e in w.running.values())
         assert len(w.running) <= w.spec.max_seqs
         assert w.reserved_blocks == sum(e.blocks for e in w.running.values())
     running = [e.key for w in sched.workers.values() for e in w.running.values()]
@@ -58,8 +59,8 @@ def check_invariants(sim: Simulation) -> None:
                 w = sched.workers[wid]
                 budget = sched._budget(w)
                 reserve = sched._bulk_reserve(w, model)
-                trial = StepBudget(budget.slots - reserve, budget.blocks, budget.prefill_tokens, budget.block_size,
-                                   fresh_step=budget._fresh_step)
+                trial = budget.copy()
+                trial.slots -= reserve
                 if not sched._keeps_deadlines(w, len(w.running) + 1, now):
                     continue  # admitting would make running requests miss their deadlines
                 assert not trial.fits(head), f"interactive {head.key} waits while worker {wid} has room"

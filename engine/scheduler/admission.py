@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from tokenline.engine.scheduler.budget import blocks_for
+from tokenline.engine.scheduler.budget import blocks_at_most
 from tokenline.engine.scheduler.records import Entry, Refusal, Refuse
 from tokenline.engine.scheduler.state import ModelState, WorkerView
 from tokenline.engine.types import TrafficClass
@@ -24,7 +24,7 @@ class AdmissionControl:
         model = self.models.get(e.model)
         if model is None or not model.workers:
             return Refuse(e.key, Refusal.NO_WORKER, f"no worker is serving model {e.model!r} right now", 1.0)
-        if all(blocks_for(e, self.workers[w].spec.block_size) > self.workers[w].spec.kv_blocks_total - self.config.kv_watermark_blocks for w in model.workers):
+        if all(blocks_at_most(e, self.workers[w].spec.block_size) > self.workers[w].spec.kv_blocks_total - self.config.kv_watermark_blocks for w in model.workers):
             return Refuse(e.key, Refusal.TOO_LARGE, "prompt plus max_tokens needs more KV cache than a worker has; lower max_tokens or shorten the prompt")
         cls_cfg = self.config.for_class(e.cls)
         queue = model.queues[e.cls]

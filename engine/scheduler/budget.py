@@ -1,29 +1,58 @@
-"""A worker's budget at one step boundary: built fresh, used up by try_admit."""
+"""A worker's budget at one step boundary: built fresh, used up by try_admit.
+
+KV is counted on what sequences really hold, not on what they might: a running sequence
+reserves the blocks for its prompt and the tokens it has produced, plus a margin of
+`margin_tokens` it may add before the scheduler sees its worker's next report. Reservations
+grow with every report (the scheduler re-counts them) and, when a worker's KV runs short,
+bulk gives way first (core.py). A request asking for 4,000 tokens that stops after 40 holds
+40 tokens' worth of KV, not 4,000.
+
+An interactive request is admitted only where its whole output would fit in the KV free now,
+so that growing into it later cannot push it out; it is still charged only what it holds.
+"""
 
 from __future__ import annotations
 
 import math
 
 from tokenline.engine.scheduler.records import Entry
+from tokenline.engine.types import TrafficClass
 
 
-def blocks_for(entry: Entry, block_size: int) -> int:
-    """KV blocks for prompt + every token still owed (a continuation re-prefills its output)."""
+def blocks_at_most(entry: Entry, block_size: int) -> int:
+    """KV blocks for prompt + every token it may still produce (a continuation re-prefills its output)."""
     return math.ceil((entry.prompt_tokens + entry.max_tokens) / block_size)
 
 
+def blocks_for(entry: Entry, block_size: int, margin_tokens: int) -> int:
+    """KV blocks reserved for `entry` now: what it holds, plus the margin, never beyond its last token."""
+    tokens = min(entry.prompt_tokens + entry.generated + margin_tokens, entry.prompt_tokens + entry.max_tokens)
+    return math.ceil(tokens / block_size)
+
+
 class StepBudget:
-    def __init__(self, slots: int, blocks: int, prefill_tokens: int, block_size: int, *, fresh_step: bool):
+    def __init__(self, slots: int, blocks: int, prefill_tokens: int, block_size: int, *, fresh_step: bool,
+                 margin_tokens: int = 0):
         self.slots = slots
         self.blocks = blocks
         self.prefill_tokens = prefill_tokens
         self.block_size = block_size
+        self.margin_tokens = margin_tokens
         # One prompt longer than the whole per-step budget may still go alone
         # into a step that has no other new prompt (vLLM chunks it).
         self._fresh_step = fresh_step
 
+    def copy(self) -> StepBudget:
+        return StepBudget(self.slots, self.blocks, self.prefill_tokens, self.block_size,
+                          fresh_step=self._fresh_step, margin_tokens=self.margin_tokens)
+
+    def blocks_charged(self, entry: Entry) -> int:
+        return blocks_for(entry, self.block_size, self.margin_tokens)
+
     def fits(self, entry: Entry) -> bool:
-        if self.slots < 1 or blocks_for(entry, self.block_size) > self.blocks:
+        if self.slots < 1 or self.blocks_charged(entry) > self.blocks:
+            return False
+        if entry.cls == TrafficClass.INTERACTIVE and blocks_at_most(entry, self.block_size) > self.blocks:
             return False
         tokens = entry.prompt_tokens + entry.generated
         return tokens <= self.prefill_tokens or self._fresh_step
@@ -32,7 +61,7 @@ class StepBudget:
         if not self.fits(entry):
             return False
         self.slots -= 1
-        self.blocks -= blocks_for(entry, self.block_size)
+        self.blocks -= self.blocks_charged(entry)
         self.prefill_tokens = max(self.prefill_tokens - (entry.prompt_tokens + entry.generated), 0)
         self._fresh_step = False
         return True

@@ -53,6 +53,9 @@ class SchedulerConfig:
     bulk_floor: float = 0.1
     # KV blocks per worker never handed out (headroom for vLLM's own rounding).
     kv_watermark_blocks: int = 1
+    # KV reserved for each running sequence beyond what it holds now: tokens it may add before the
+    # scheduler next hears from its worker (reservations are re-counted at every step report).
+    kv_margin_tokens: int = 16
     # Preempt running bulk sequences when interactive work cannot otherwise fit.
     preempt_bulk: bool = True
     # A bulk request is preempted at most this many times (each costs a re-prefill).
@@ -73,6 +76,8 @@ class SchedulerConfig:
             raise ValueError(f"bulk_floor must be in [0, 1), got {self.bulk_floor}")
         if self.kv_watermark_blocks < 0:
             raise ValueError(f"kv_watermark_blocks must be >= 0, got {self.kv_watermark_blocks}")
+        if self.kv_margin_tokens < 1:
+            raise ValueError(f"kv_margin_tokens must be >= 1 (every step adds a token to each sequence), got {self.kv_margin_tokens}")
         if self.step_time_prior_s <= 0:
             raise ValueError(f"step_time_prior_s must be > 0, got {self.step_time_prior_s}")
         if self.quarantine_after_crashes < 1:

@@ -156,7 +156,9 @@ class Scheduler(AdmissionControl):
             e.est_finish = now + e.remaining * step
             if out.finished:
                 self._finish(e, now)
-        return self._dispatch(w.spec.model)
+            else:
+                self._recount_blocks(e, w)
+        return self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model)
 
     def on_timer(self) -> list[Action]:
         """Expire what passed its deadline and fire admission windows that ran out."""
@@ -264,6 +266,7 @@ class Scheduler(AdmissionControl):
             prefill_tokens=max(w.spec.prefill_token_budget - pending, 0),
             block_size=w.spec.block_size,
             fresh_step=pending == 0,
+            margin_tokens=self.config.kv_margin_tokens,
         )
 
     def _rule_fires(self, model_name: str, cls: TrafficClass, budget: StepBudget, now: float) -> bool:
@@ -273,7 +276,7 @@ class Scheduler(AdmissionControl):
         fires_at = self._rule_fires_at(model_name, self.models[model_name], cls)
         if fires_at is not None and fires_at <= now:
             return True
-        trial = StepBudget(budget.slots, budget.blocks, budget.prefill_tokens, budget.block_size, fresh_step=budget._fresh_step)
+        trial = budget.copy()
         for e in self.models[model_name].queues[cls]:
             if not trial.try_admit(e):
                 return True
@@ -310,7 +313,7 @@ class Scheduler(AdmissionControl):
         e.run += 1
         e.prefilled = False
         e.worker_id = w.spec.worker_id
-        e.blocks = blocks_for(e, w.spec.block_size)
+        e.blocks = blocks_for(e, w.spec.block_size, self.config.kv_margin_tokens)
         w.reserved_blocks += e.blocks
         w.running[e.run_key] = e
         batch = len(w.running)
@@ -347,16 +350,49 @@ class Scheduler(AdmissionControl):
                 budget.blocks += v.blocks
             if not chosen or not budget.fits(head):
                 continue
-            actions: list[Action] = []
-            for v in chosen:
-                actions.append(StopRun(v.key, wid, v.run_key, preempted=True))
-                self._release(v)
-                transition(v, Status.QUEUED)
-                v.preemptions += 1
-                self.counters.preemptions += 1
-                self._enqueue(v, now, front=True)
+            actions = [self._preempt(v, now) for v in chosen]
             return actions + self._dispatch(model_name)
         return []
+
+    def _recount_blocks(self, e: Entry, w: WorkerView) -> None:
+        """A sequence grew: its reservation follows what it holds now (plus the margin)."""
+        blocks = blocks_for(e, w.spec.block_size, self.config.kv_margin_tokens)
+        w.reserved_blocks += blocks - e.blocks
+        e.blocks = blocks
+
+    def _relieve_kv_pressure(self, w: WorkerView, now: float) -> list[Action]:
+        """Sequences grew past the worker's KV: preempt bulk, newest first, until the rest fits.
+
+        Never an interactive stream, never a run whose deadline promise a restart could break
+        (it must complete by its deadline, or its first token is still owed). If only such runs
+        are left, vLLM preempts by priority itself (bulk is its lowest) and recomputes later.
+        """
+        capacity = w.spec.kv_blocks_total - self.config.kv_watermark_blocks
+        if w.reserved_blocks <= capacity:
+            return []
+        victims = sorted((e for e in w.running.values() if self._may_preempt_for_kv(e)), key=lambda e: e.arrival, reverse=True)
+        actions: list[Action] = []
+        for v in victims:
+            if w.reserved_blocks <= capacity:
+                break
+            actions.append(self._preempt(v, now))
+            self.counters.kv_preemptions += 1
+        return actions
+
+    def _may_preempt_for_kv(self, e: Entry) -> bool:
+        if e.cls != TrafficClass.BULK or e.preemptions >= self.config.max_preemptions:
+            return False
+        return e.deadline is None or not (e.must_complete_by_deadline or not e.prefilled)
+
+    def _preempt(self, v: Entry, now: float) -> Action:
+        """Stop a running bulk run; it goes back to the front of its queue and later continues."""
+        action = StopRun(v.key, v.worker_id, v.run_key, preempted=True)
+        self._release(v)
+        transition(v, Status.QUEUED)
+        v.preemptions += 1
+        self.counters.preemptions += 1
+        self._enqueue(v, now, front=True)
+        return action
 
     # ------------------------------------------------------------- bookkeeping
 

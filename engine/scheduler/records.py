@@ -135,6 +135,7 @@ class Counters:
     expired_queued: int = 0
     expired_running: int = 0
     preemptions: int = 0
+    kv_preemptions: int = 0  # of those, bulk runs stopped because running sequences outgrew the KV cache
     retries: int = 0
     quarantined: int = 0
     stale_outputs: int = 0
