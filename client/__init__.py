@@ -18,6 +18,7 @@ from ._types import Completion, Delta, ModelInfo, ServerTimeline, Usage
 from .errors import (
     AlreadyExists,
     Cancelled,
+    RunLost,
     DeadlineExceeded,
     InvalidRequest,
     NotFound,
@@ -38,6 +39,7 @@ __all__ = [
     "AsyncClient",
     "AsyncDeltaStream",
     "Cancelled",
+    "RunLost",
     "Client",
     "Completion",
     "DeadlineExceeded",

@@ -37,13 +37,14 @@ class AsyncDeltaStream(AsyncIterator[Delta]):
     """
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, sent_at: float,
-                 restart: Callable[[int], grpc.aio.UnaryStreamCall] | None = None) -> None:
+                 restart: Callable[[int, str], grpc.aio.UnaryStreamCall] | None = None) -> None:
         self._call = call
         self._cancelled = False
         self.sent_at = sent_at
         self._restart = restart  # re-attach a keyed stream after a break (see DeltaStream)
         self._next_index = 0
         self.reattached = 0
+        self._request_id = ""  # the run followed, as its chunks name it
 
     def __aiter__(self) -> AsyncDeltaStream:
         return self
@@ -65,12 +66,13 @@ class AsyncDeltaStream(AsyncIterator[Delta]):
                         and error.code() == grpc.StatusCode.UNAVAILABLE):
                     await asyncio.sleep(reattach_backoff_s(self.reattached))
                     self.reattached += 1
-                    self._call = self._restart(self._next_index)
+                    self._call = self._restart(self._next_index, self._request_id)
                     continue
                 raise error_from_rpc(error) from error
             if chunk is grpc.aio.EOF:
                 raise StopAsyncIteration
             self._next_index = chunk.index + len(chunk.token_ids)
+            self._request_id = chunk.request_id
             return delta_from_chunk(chunk, time.monotonic())
 
     def cancel(self) -> None:
@@ -124,8 +126,8 @@ class AsyncClient:
         call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
         restart = None
         if request.idempotency_key:
-            def restart(index: int) -> grpc.aio.UnaryStreamCall:
-                return self._stub.Generate(resumed(request, index), timeout=grpc_timeout, metadata=self._metadata)
+            def restart(index: int, request_id: str) -> grpc.aio.UnaryStreamCall:
+                return self._stub.Generate(resumed(request, index, request_id), timeout=grpc_timeout, metadata=self._metadata)
         return AsyncDeltaStream(call, sent_at, restart)
 
     async def complete(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:

@@ -45,11 +45,13 @@ def reattach_backoff_s(attempt: int) -> float:
     return random.uniform(0, min(0.1 * 2**attempt, 2.0))
 
 
-def resumed(request: pb.GenerateRequest, index: int) -> pb.GenerateRequest:
-    """The same keyed request, asking only for tokens from `index` on."""
+def resumed(request: pb.GenerateRequest, index: int, request_id: str = "") -> pb.GenerateRequest:
+    """The same keyed request, asking only for tokens from `index` on of the run `request_id`
+    (the one the stream followed: the server refuses to continue it with a different run)."""
     again = pb.GenerateRequest()
     again.CopyFrom(request)
     again.resume_from_index = index
+    again.request_id = request_id or request.request_id
     return again
 
 
@@ -71,7 +73,7 @@ class DeltaStream(Iterator[Delta]):
     ends without an error. Any other failure raises a TokenlineError.
     """
 
-    def __init__(self, call: Any, sent_at: float, restart: Callable[[int], Any] | None = None) -> None:
+    def __init__(self, call: Any, sent_at: float, restart: Callable[[int, str], Any] | None = None) -> None:
         self._call = call
         self._cancelled = False
         self.sent_at = sent_at
@@ -80,6 +82,7 @@ class DeltaStream(Iterator[Delta]):
         self._restart = restart
         self._next_index = 0
         self.reattached = 0
+        self._request_id = ""  # the run followed, as its chunks name it
 
     def __iter__(self) -> DeltaStream:
         return self
@@ -94,10 +97,11 @@ class DeltaStream(Iterator[Delta]):
                 if self._can_reattach(error):
                     time.sleep(reattach_backoff_s(self.reattached))
                     self.reattached += 1
-                    self._call = self._restart(self._next_index)
+                    self._call = self._restart(self._next_index, self._request_id)
                     continue
                 raise error_from_rpc(error) from error
             self._next_index = chunk.index + len(chunk.token_ids)
+            self._request_id = chunk.request_id
             return delta_from_chunk(chunk, time.monotonic())
 
     def _can_reattach(self, error: grpc.RpcError) -> bool:
@@ -168,8 +172,8 @@ class Client:
         call = self._stub.Generate(request, timeout=grpc_timeout, metadata=self._metadata)
         restart = None
         if request.idempotency_key:
-            def restart(index: int) -> Any:
-                return self._stub.Generate(resumed(request, index), timeout=grpc_timeout, metadata=self._metadata)
+            def restart(index: int, request_id: str) -> Any:
+                return self._stub.Generate(resumed(request, index, request_id), timeout=grpc_timeout, metadata=self._metadata)
         return DeltaStream(call, sent_at, restart)
 
     def complete(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:

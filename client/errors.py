@@ -13,6 +13,7 @@ a subclass of `TokenlineError`; the original `grpc.RpcError` is its `__cause__`.
      ├── DeadlineExceeded    DEADLINE_EXCEEDED
      ├── Unavailable         UNAVAILABLE: server down or draining (already retried)
      ├── Cancelled           CANCELLED
+     ├── RunLost             ABORTED: the run a resumed stream followed is gone; send again from the start
      └── ServerError         any other status (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)
 
 Each carries `.code` (a `grpc.StatusCode`), `.details` (the server's message) and
@@ -89,6 +90,12 @@ class Cancelled(TokenlineError):
     """The call was cancelled."""
 
 
+class RunLost(TokenlineError):
+    """ABORTED: a broken stream could not be resumed because the run it followed is gone
+    (it failed, or another run of the same idempotency key replaced it). Tokens already
+    received belong to that lost run; send the request again from the start."""
+
+
 class ServerError(TokenlineError):
     """Any other failure status (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)."""
 
@@ -104,6 +111,7 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[TokenlineError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.ABORTED: RunLost,
 }
 
 

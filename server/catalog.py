@@ -20,6 +20,7 @@ class ServedModel:
     max_context: int
     vocab_size: int
     tokenizer: Any  # transformers tokenizer
+    max_token_chars: int = 64  # no token stands for more characters than this (see `longest_token_chars`)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -42,4 +43,17 @@ def load_served_model(name: str, path: pathlib.Path, version: str, max_model_len
     config: dict[str, Any] = json.loads((path / "config.json").read_text())
     context = int(config.get("max_position_embeddings", max_model_len))
     vocab = int(config.get("vocab_size", len(tokenizer)))
-    return ServedModel(name=name, path=path, version=version, max_context=min(context, max_model_len), vocab_size=vocab, tokenizer=tokenizer)
+    return ServedModel(name=name, path=path, version=version, max_context=min(context, max_model_len), vocab_size=vocab,
+                       tokenizer=tokenizer, max_token_chars=longest_token_chars(tokenizer))
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters of text one token covers, so that a prompt's length in
+    characters bounds its length in tokens before it is tokenized.
+
+    Taken over the whole vocabulary (added tokens too) from each token's spelling: byte-level BPE
+    spells one symbol per byte (a character is at least one byte), SentencePiece one '▁' per space,
+    byte fallback '<0x0A>' for one byte; plus one for a space a decoder may add.
+    """
+    spelled = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(str(t or "")) for t in spelled) + 1

@@ -1,7 +1,9 @@
 """Proto ↔ domain conversion, with every check a request must pass before any work.
 
 Pure functions: they raise `InvalidRequest` / `ModelNotFound` with a message
-that says what to change, and never touch the engine.
+that says what to change, and never touch the engine. `check` is cheap (sizes,
+ranges, names) and runs first, on the event loop; `tokenize` is the expensive
+part and runs only on a request that passed `check`, off the loop.
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ class ValidRequest:
     deadline_unix_ms: int
 
 
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request whose every field is in range and whose prompt is small enough to tokenize."""
+
+    request: pb.GenerateRequest
+    model: ServedModel
+    sampling: Sampling
+    cls: TrafficClass
+    request_id: str
+    chat: tuple[dict[str, str], ...] | None  # the chat messages, when the prompt is a chat
+
+
 def pick_model(name: str, models: dict[str, ServedModel], default: str) -> ServedModel:
     model = models.get(name or default)
     if model is None:
@@ -53,18 +67,31 @@ def pick_model(name: str, models: dict[str, ServedModel], default: str) -> Serve
 
 
 def validate(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model: str, limits: Limits) -> ValidRequest:
+    """`check` then `tokenize`, in one go (where nothing else waits on the caller's thread)."""
+    return tokenize(check(req, models, default_model, limits), limits)
+
+
+def check(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model: str, limits: Limits) -> CheckedRequest:
+    """Every check that costs no more than reading the request; refuses a prompt too big to fit the context."""
     model = pick_model(req.model, models, default_model)
     request_id = _request_id(req.request_id)
     cls = _traffic_class(req.traffic_class)
     sampling = _sampling(req.sampling if req.HasField("sampling") else pb.SamplingParams(), limits)
-    prompt_ids = _prompt(req, model, limits)
+    chat = _check_prompt_size(req, model, limits)
+    return CheckedRequest(req, model, sampling, cls, request_id, chat)
+
+
+def tokenize(checked: CheckedRequest, limits: Limits) -> ValidRequest:
+    """The prompt as token ids, and the checks that need them. Blocking: run it off the event loop."""
+    req, model, sampling = checked.request, checked.model, checked.sampling
+    prompt_ids = _prompt(req, model, limits, checked.chat)
     room = model.max_context - len(prompt_ids)
     if sampling.max_tokens > room:
         raise InvalidRequest(
             f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the context of "
             f"{model.name} ({model.max_context} tokens); lower max_tokens to at most {max(room, 0)} or shorten the prompt"
         )
-    return ValidRequest(model, prompt_ids, sampling, cls, request_id, req.deadline_unix_ms)
+    return ValidRequest(model, prompt_ids, sampling, checked.cls, checked.request_id, req.deadline_unix_ms)
 
 
 def _request_id(rid: str, field: str = "request_id") -> str:
@@ -117,33 +144,58 @@ def _sampling(s: pb.SamplingParams, limits: Limits) -> Sampling:
                     seed=seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
 
 
-def _prompt(req: pb.GenerateRequest, model: ServedModel, limits: Limits) -> list[int]:
+def max_prompt_tokens(model: ServedModel, limits: Limits) -> int:
+    return min(limits.max_prompt_tokens, model.max_context - 1)
+
+
+def _check_prompt_size(req: pb.GenerateRequest, model: ServedModel, limits: Limits) -> tuple[dict[str, str], ...] | None:
+    """Refuse, before tokenizing, a prompt that cannot fit: no token is longer than `model.max_token_chars`,
+    so more characters than that times the prompt's token limit can only be too many tokens."""
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("a prompt is required: set one of text, token_ids or chat")
+    most_tokens = max_prompt_tokens(model, limits)
+    most_chars = min(limits.max_prompt_chars, most_tokens * model.max_token_chars)
+    if kind == "token_ids":
+        count = len(req.token_ids.ids)
+        if not count:
+            raise InvalidRequest("token_ids is empty")
+        if count > most_tokens:
+            raise InvalidRequest(f"the prompt has {count} tokens; at most {most_tokens} are allowed for {model.name}")
+        return None
     if kind == "text":
+        if len(req.text) > most_chars:
+            raise InvalidRequest(f"the prompt text has {len(req.text)} characters; at most {most_chars} fit the "
+                                 f"{most_tokens}-token prompt limit of {model.name}")
         if not req.text.strip():
             raise InvalidRequest("the prompt text is empty")
-        if len(req.text) > limits.max_prompt_chars:
-            raise InvalidRequest(f"the prompt text has {len(req.text)} characters; at most {limits.max_prompt_chars} are allowed")
+        return None
+    messages = _chat(req.chat)
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > most_chars:
+        raise InvalidRequest(f"the chat messages have {chars} characters; at most {most_chars} fit the "
+                             f"{most_tokens}-token prompt limit of {model.name}")
+    if not model.has_chat_template:
+        raise InvalidRequest(f"{model.name} has no chat template; send the prompt as text")
+    return tuple(messages)
+
+
+def _prompt(req: pb.GenerateRequest, model: ServedModel, limits: Limits, chat: tuple[dict[str, str], ...] | None) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
         ids = model.encode(req.text)
     elif kind == "token_ids":
         ids = list(req.token_ids.ids)
-        if not ids:
-            raise InvalidRequest("token_ids is empty")
         bad = next((t for t in ids if t >= model.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary of {model.name} (0..{model.vocab_size - 1})")
     else:
-        messages = _chat(req.chat)
-        if not model.has_chat_template:
-            raise InvalidRequest(f"{model.name} has no chat template; send the prompt as text")
-        ids = model.encode_chat(messages)
+        ids = model.encode_chat(list(chat or ()))
     if not ids:
         raise InvalidRequest("the prompt has no tokens after tokenization")
-    if len(ids) > min(limits.max_prompt_tokens, model.max_context - 1):
+    if len(ids) > max_prompt_tokens(model, limits):
         raise InvalidRequest(
-            f"the prompt has {len(ids)} tokens; at most {min(limits.max_prompt_tokens, model.max_context - 1)} are allowed for {model.name}"
+            f"the prompt has {len(ids)} tokens; at most {max_prompt_tokens(model, limits)} are allowed for {model.name}"
         )
     return ids
 

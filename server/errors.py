@@ -10,6 +10,7 @@
     ├── Unavailable                   UNAVAILABLE: draining, no worker, attempts spent
     ├── Quarantined                   FAILED_PRECONDITION: this request keeps crashing workers
     ├── IdempotencyMismatch           FAILED_PRECONDITION: key reused for different work
+    ├── RunLost                       ABORTED: a resumed stream's run is gone; start again from token 0
     └── Unauthenticated               UNAUTHENTICATED: missing or wrong credentials
 
 Messages are for the caller: they say what to change, never how the server is built.
@@ -65,6 +66,10 @@ class Quarantined(ServingError):
 
 class IdempotencyMismatch(ServingError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class RunLost(ServingError):
+    code = grpc.StatusCode.ABORTED
 
 
 class Unauthenticated(ServingError):

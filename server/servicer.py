@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -20,6 +22,7 @@ from tokenline.server.errors import (
     IdempotencyMismatch,
     InvalidRequest,
     RequestNotFound,
+    RunLost,
     ServingError,
     Unavailable,
     abort_with,
@@ -38,7 +41,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                  *, fault_marker: str | None = None, on_done: Callable[[RequestState, str], None] | None = None,
                  on_refused: Callable[[pb.GenerateRequest, ServingError, str], None] | None = None,
                  auth: Authenticator | None = None, idempotency: IdempotencyStore | None = None,
-                 on_shared: Callable[[pb.GenerateRequest, str, str], None] | None = None):
+                 on_shared: Callable[[pb.GenerateRequest, str, str], None] | None = None,
+                 request_work_threads: int = 2):
         self.runtime = runtime
         self.models = models
         self.default_model = default_model
@@ -51,6 +55,10 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         self.auth = auth or Authenticator()
         self.idempotency = idempotency
         self._live_keys: dict[tuple[str, str], RequestState] = {}  # (tenant, idempotency key) -> running request
+        # One call at a time per idempotency key decides between attach, replay and a new run.
+        self._key_locks: dict[tuple[str, str], _KeyLock] = {}
+        # Tokenizing and chat templating: blocking work, never on the event loop.
+        self._request_work = ThreadPoolExecutor(request_work_threads, thread_name_prefix="tokenline-tokenize")
         self.inflight = 0
         runtime.on_finished.append(self._store_result)
 
@@ -64,9 +72,9 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         tenant = DEFAULT_TENANT
         try:
             tenant = self._tenant(context)
-            call = self._start(request, context, received, tenant)
+            call = await self._start(request, context, received, tenant)
             if call.replay is not None:
-                for chunk in _replay_chunks(call.replay, request.resume_from_index):
+                for chunk in _replay_chunks(call.replay, call.replay_text, request.resume_from_index):
                     yield chunk
                 outcome = "replayed"
                 return
@@ -103,7 +111,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         tenant = DEFAULT_TENANT
         try:
             tenant = self._tenant(context)
-            call = self._start(request, context, received, tenant)
+            call = await self._start(request, context, received, tenant)
             if call.replay is not None:
                 outcome = "replayed"
                 return call.replay
@@ -168,24 +176,40 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             common_name = names[0].decode() if names else None
         return self.auth.tenant(tuple(context.invocation_metadata() or ()), common_name)
 
-    def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float, tenant: str) -> _Call:
+    async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float, tenant: str) -> _Call:
         if request is MALFORMED:
             raise InvalidRequest("the request message could not be parsed as a tokenline.v1.GenerateRequest")
         if self.draining:
             raise Unavailable("the server is draining for shutdown; retry on another instance")
-        valid = convert.validate(request, self.models, self.default_model, self.limits)
+        checked = convert.check(request, self.models, self.default_model, self.limits)  # cheap: sizes first
         key = convert.idempotency_key(request)
+        loop = asyncio.get_running_loop()
+        valid = await loop.run_in_executor(self._request_work, convert.tokenize, checked, self.limits)
+        if not key:
+            return self._run(request, context, received, tenant, valid, key)
+        async with self._key_lock(tenant, key):
+            print_ = fingerprint(valid.model.name, valid.sampling, valid.prompt_ids)
+            found = await self._find_keyed(tenant, key, print_, request)
+            if found is not None:
+                return found
+            if self.idempotency is not None:
+                await self.idempotency.begin(tenant, key, print_)
+            try:
+                return self._run(request, context, received, tenant, valid, key)
+            except ServingError:
+                if self.idempotency is not None:
+                    _in_background(self.idempotency.abandon(tenant, key))
+                raise
+
+    def _run(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float, tenant: str,
+             valid: convert.ValidRequest, key: str) -> _Call:
+        """Submit a new run; raises a ServingError when it is refused at once."""
         now = time.monotonic()
         deadline = _deadline(context, valid.deadline_unix_ms, now)
         if deadline is not None and deadline <= now:
             raise DeadlineUnmeetable("the request's deadline has already passed")
         if request.require_completion_by_deadline and deadline is None:
             raise InvalidRequest("require_completion_by_deadline needs a deadline: a gRPC timeout or deadline_unix_ms")
-        print_ = fingerprint(valid.model.name, valid.sampling, valid.prompt_ids)
-        if key:
-            found = self._find_keyed(tenant, key, print_, request.resume_from_index)
-            if found is not None:
-                return found
         request_id = valid.request_id or uuid.uuid4().hex
         timeline = Timeline(received=received, validated=now)
         marker = bool(self.fault_marker) and request.WhichOneof("prompt") == "text" and self.fault_marker in request.text
@@ -194,35 +218,49 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                              timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key,
                              must_complete_by_deadline=request.require_completion_by_deadline)
         mailbox = state.subscribe()
-        if key and self.idempotency is not None:
-            self.idempotency.begin(tenant, key, print_)
-        try:
-            self.runtime.submit(state)
-        except ServingError:
-            if key and self.idempotency is not None:
-                self.idempotency.abandon(tenant, key)
-            raise
+        self.runtime.submit(state)
         if key:
             self._live_keys[(tenant, key)] = state
         return _Call(state=state, mailbox=mailbox, owner=True)
 
-    def _find_keyed(self, tenant: str, key: str, print_: str, resume_from: int) -> _Call | None:
-        """A run or a stored result for this idempotency key, or None to generate."""
+    async def _find_keyed(self, tenant: str, key: str, print_: str, request: pb.GenerateRequest) -> _Call | None:
+        """A run or a stored result for this idempotency key, or None to generate.
+
+        A resumed stream (resume_from_index > 0) continues only the run it followed (named by its
+        request_id when the caller sends it): it is never stitched onto a different run.
+        """
+        resume_from = request.resume_from_index
         live = self._live_keys.get((tenant, key))
         if live is not None:
             if live.fingerprint != print_:
                 raise IdempotencyMismatch(_mismatch(key))
+            if resume_from:
+                _same_run(request, live.request_id)
             return _Call(state=live, mailbox=live.subscribe(resume_from), owner=False)
-        if self.idempotency is None:
-            return None
-        stored = self.idempotency.lookup(tenant, key)
-        if stored is None:
-            return None
-        if stored.fingerprint != print_:
+        stored = await self.idempotency.lookup(tenant, key) if self.idempotency is not None else None
+        if stored is not None and stored.fingerprint != print_:
             raise IdempotencyMismatch(_mismatch(key))
-        if stored.status == "done" and stored.result is not None:
-            return _Call(replay=pb.CompleteResponse.FromString(stored.result))
-        return None  # a run that died with an earlier server process: generate again
+        if stored is not None and stored.status == "done" and stored.result is not None:
+            result = pb.CompleteResponse.FromString(stored.result)
+            if resume_from:
+                _same_run(request, result.request_id)
+            return _Call(replay=result, replay_text=stored.token_text)
+        if resume_from:  # the run it followed ended without a result: a new run would be spliced on
+            raise RunLost(f"the run of idempotency key {key!r} that this stream followed ended without a result; "
+                          "nothing can be resumed: send the request again with resume_from_index 0")
+        return None  # no run, or one that died with an earlier server process: generate again
+
+    @contextlib.asynccontextmanager
+    async def _key_lock(self, tenant: str, key: str):
+        lock = self._key_locks.setdefault((tenant, key), _KeyLock())
+        lock.users += 1
+        try:
+            async with lock.lock:
+                yield
+        finally:
+            lock.users -= 1
+            if not lock.users:
+                del self._key_locks[(tenant, key)]
 
     def _store_result(self, state: RequestState) -> None:
         if not state.idempotency_key:
@@ -230,10 +268,12 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         self._live_keys.pop((state.tenant, state.idempotency_key), None)
         if self.idempotency is None:
             return
+        # Queued to the store's thread now (a later lookup is queued after it); failures are logged there.
         if state.error is None and state.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING):
-            self.idempotency.complete(state.tenant, state.idempotency_key, _complete_response(state).SerializeToString())
+            _in_background(self.idempotency.complete(state.tenant, state.idempotency_key,
+                                                     _complete_response(state).SerializeToString(), state.text))
         else:
-            self.idempotency.abandon(state.tenant, state.idempotency_key)
+            _in_background(self.idempotency.abandon(state.tenant, state.idempotency_key))
 
 
 
@@ -245,6 +285,25 @@ class _Call:
     mailbox: asyncio.Queue | None = None
     owner: bool = False
     replay: pb.CompleteResponse | None = None
+    replay_text: tuple[str, ...] | None = None  # the stored result's text per token
+
+
+@dataclass
+class _KeyLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+def _same_run(request: pb.GenerateRequest, run_request_id: str) -> None:
+    if request.request_id and request.request_id != run_request_id:
+        raise RunLost(f"the run this stream followed (request id {request.request_id!r}) is gone and another run of "
+                      f"the same idempotency key took its place; nothing can be resumed: send the request again "
+                      "with resume_from_index 0")
+
+
+def _in_background(future: asyncio.Future) -> None:
+    """A store write nobody waits for: its failure was logged where it happened."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _mismatch(key: str) -> str:
@@ -270,14 +329,25 @@ def _complete_response(state: RequestState) -> pb.CompleteResponse:
     )
 
 
-def _replay_chunks(result: pb.CompleteResponse, resume_from: int):
+def _replay_chunks(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, resume_from: int):
     """A stored result as a stream: the tokens after `resume_from` in one chunk, then the final chunk."""
     if resume_from < len(result.token_ids):
         yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=resume_from,
                                token_ids=result.token_ids[resume_from:],
-                               text=result.text if resume_from == 0 else "")
+                               text=_text_from(result, token_text, resume_from))
     yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=len(result.token_ids),
                            finish_reason=result.finish_reason, usage=result.usage, timeline=result.timeline)
+
+
+def _text_from(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, index: int) -> str:
+    """The text of the tokens from `index` on: the tail of the whole text, always."""
+    if index == 0:
+        return result.text
+    if token_text is not None and len(token_text) == len(result.token_ids):
+        return "".join(token_text[index:])
+    # A row stored before per-token text was kept: no honest split exists, so refuse rather than guess.
+    raise RunLost("this stored result cannot be resumed part-way; send the request again with resume_from_index 0 "
+                  "to receive it whole")
 
 
 class _Malformed:
