@@ -72,7 +72,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenline.server.app import ServeConfig, run
     from tokenline.server.telemetry import TelemetryConfig
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenline.server.logs import configure
+
+    configure(args.log_level)  # one line per record, whatever callers put in ids and prompts
     try:
         path = resolve_model(args.model)
         name = args.model_name or path.name

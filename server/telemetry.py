@@ -38,6 +38,8 @@ from opentelemetry.trace import Link, Status, StatusCode
 from tokenline.engine.scheduler.records import Retry, StopRun
 from tokenline.engine.types import StepReport, TrafficClass
 
+from tokenline.server.logs import escape
+
 if TYPE_CHECKING:
     from tokenline.server.runtime import RequestKey, RequestState, Runtime
 
@@ -478,6 +480,7 @@ def _logfmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}"
     text = str(value)
-    if not text or any(c in text for c in ' ="\\'):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if not text or any(c in text for c in ' ="\\') or escape(text) != text:
+        # Quoted, with control characters escaped: a caller's id can never end the line or the field.
+        return '"' + escape(text.replace("\\", "\\\\")).replace('"', '\\"') + '"'
     return text
