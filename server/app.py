@@ -80,10 +80,13 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         served[wc.model_name] = load_served_model(wc.model_name, path, version, wc.max_model_len)
     default_model = config.models[0][0].model_name
 
-    auth = Authenticator(config.api_keys_file, client_certs=bool(config.tls_client_ca))
-    scheduler_config = config.scheduler
-    if auth.tenants:  # per-tenant quotas from the keys file feed the scheduler's limits
-        scheduler_config = replace(scheduler_config, tenants={**scheduler_config.tenants, **auth.quotas()})
+    try:
+        auth = Authenticator(config.api_keys_file, client_certs=bool(config.tls_client_ca))
+    except ValueError as err:
+        print(f"tokenline: {err}", file=sys.stderr, flush=True)
+        return 2
+    # Per-tenant quotas from the keys file feed the scheduler's limits, on top of the configured ones.
+    scheduler_config = replace(config.scheduler, tenants={**config.scheduler.tenants, **auth.quotas()})
     idempotency = IdempotencyStore(config.idempotency_db, config.idempotency_ttl_s) if config.idempotency_db else None
     runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers)
     telemetry = telemetry or Telemetry(config.telemetry)
@@ -130,8 +133,11 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    keys_watcher = None
     if auth.keys_file is not None:
-        loop.add_signal_handler(signal.SIGHUP, lambda: _reload_keys(auth, runtime))
+        reload_now = asyncio.Event()
+        loop.add_signal_handler(signal.SIGHUP, reload_now.set)
+        keys_watcher = asyncio.ensure_future(_watch_keys(auth, runtime, config.scheduler, reload_now))
 
     ready = asyncio.ensure_future(_await_ready(runtime, served, config.ready_timeout_s))
     stopper = asyncio.ensure_future(stop.wait())
@@ -154,6 +160,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         print(f"tokenline: workers failed to start ({errors})", file=sys.stderr, flush=True)
         status = 1
     ready.cancel()
+    if keys_watcher is not None:
+        keys_watcher.cancel()
 
     # Drain: stop taking work, let running streams finish within the grace period.
     print("tokenline: draining", flush=True)
@@ -171,14 +179,30 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     return status
 
 
-def _reload_keys(auth: Authenticator, runtime: Runtime) -> None:
-    try:
-        auth.reload()
-    except ValueError as err:
-        log.error("keys file not reloaded, keeping the previous one: %s", err)
-        return
-    sched = runtime.scheduler
-    sched.config = replace(sched.config, tenants={**sched.config.tenants, **auth.quotas()})
+KEYS_POLL_S = 1.0
+
+
+async def _watch_keys(auth: Authenticator, runtime: Runtime, base: SchedulerConfig, reload_now: asyncio.Event) -> None:
+    """Reload the keys file when it changes (checked every second) or on SIGHUP, off the event loop,
+    and apply its quotas at once: keys and quotas always come from the same version of the file."""
+    while True:
+        try:
+            await asyncio.wait_for(reload_now.wait(), KEYS_POLL_S)
+        except asyncio.TimeoutError:
+            pass
+        forced = reload_now.is_set()
+        reload_now.clear()
+        if forced:
+            try:
+                await asyncio.to_thread(auth.reload)
+            except ValueError as err:
+                log.error("keys file not reloaded, keeping the previous one: %s", err)
+                continue
+        elif not await asyncio.to_thread(auth.reload_if_changed):
+            continue
+        sched = runtime.scheduler
+        # Quotas of tenants no longer in the file fall back to the configured ones.
+        sched.config = replace(sched.config, tenants={**base.tenants, **auth.quotas()})
 
 
 async def _await_ready(runtime: Runtime, served: dict[str, ServedModel], timeout: float) -> bool:

@@ -1,6 +1,7 @@
 """Who is calling: API keys (stored hashed) and client certificates map callers to tenants.
 
-The keys file is JSON, reloaded when it changes (and on SIGHUP):
+The keys file is JSON, reloaded when it changes (and on SIGHUP), quotas included; a file
+that does not parse or has a wrong type is reported and the previous one kept:
 
     {"tenants": {"acme": {"keys": ["sha256:<hex of sha256(key)>"],
                           "weight": 2.0, "max_concurrent": 64, "max_queued_tokens": 200000}}}
@@ -18,7 +19,6 @@ import logging
 import os
 import pathlib
 import secrets
-import time
 from dataclasses import dataclass
 
 from tokenline.engine.scheduler.config import TenantConfig
@@ -44,22 +44,36 @@ class Tenant:
     quota: TenantConfig
 
 
+_QUOTA_FIELDS = {"weight": (float, 1.0), "max_concurrent": (int, 1_000_000), "max_queued_tokens": (int, 1_000_000_000)}
+
+
 def load_tenants(path: pathlib.Path) -> dict[str, Tenant]:
     """Parse the keys file; raises ValueError with the problem and where it is."""
     try:
         doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"cannot read keys file {path}: {err}") from err
+    where = f"keys file {path}"
+    if not isinstance(doc, dict) or not isinstance(doc.get("tenants", {}), dict):
+        raise ValueError(f'{where}: expected an object {{"tenants": {{"<name>": {{"keys": [...]}}}}}}')
     tenants = {}
     for name, entry in (doc.get("tenants") or {}).items():
-        keys = entry.get("keys") or []
-        bad = [k for k in keys if not (isinstance(k, str) and k.startswith("sha256:") and len(k) == 71)]
-        if bad:
-            raise ValueError(f"keys file {path}: tenant {name!r} has keys not of the form 'sha256:<64 hex>' (store hashes, never keys)")
-        quota = TenantConfig(weight=float(entry.get("weight", 1.0)),
-                             max_concurrent=int(entry.get("max_concurrent", 1_000_000)),
-                             max_queued_tokens=int(entry.get("max_queued_tokens", 1_000_000_000)))
-        tenants[name] = Tenant(name, frozenset(keys), quota)
+        if not name or not isinstance(entry, dict):
+            raise ValueError(f"{where}: tenant {name!r} must be a non-empty name with an object of keys and quotas")
+        keys = entry.get("keys", [])
+        if not isinstance(keys, list) or not all(isinstance(k, str) and k.startswith("sha256:") and len(k) == 71 for k in keys):
+            raise ValueError(f"{where}: tenant {name!r} has keys not of the form 'sha256:<64 hex>' (store hashes, never keys)")
+        quota = {}
+        for field_name, (kind, default) in _QUOTA_FIELDS.items():
+            value = entry.get(field_name, default)
+            # bool is an int to Python, never a quota.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+                raise ValueError(f"{where}: tenant {name!r}: {field_name} must be a {'whole ' if kind is int else ''}number, got {value!r}")
+            quota[field_name] = kind(value)
+        try:
+            tenants[name] = Tenant(name, frozenset(keys), TenantConfig(**quota))
+        except ValueError as err:
+            raise ValueError(f"{where}: tenant {name!r}: {err}") from err
     return tenants
 
 
@@ -72,7 +86,7 @@ class Authenticator:
         self.tenants: dict[str, Tenant] = {}
         self._by_hash: dict[str, str] = {}
         self._mtime = 0.0
-        self._checked = 0.0
+        self._bad_mtime: float | None = 0.0  # the last change that failed to load (logged once)
         if self.keys_file:
             self.reload()
 
@@ -81,29 +95,49 @@ class Authenticator:
         return self.keys_file is not None or self.client_certs
 
     def reload(self) -> None:
-        assert self.keys_file is not None
+        """Read the keys file again; raises ValueError (and keeps the current tenants) if it is bad.
+
+        Blocking (a file read): the server calls it off the event loop."""
+        if self.keys_file is None:
+            raise ValueError("no keys file to reload")
+        try:
+            mtime = os.stat(self.keys_file).st_mtime
+        except OSError as err:
+            raise ValueError(f"cannot read keys file {self.keys_file}: {err}") from err
         tenants = load_tenants(self.keys_file)
-        self.tenants = tenants
-        self._by_hash = {h: t.name for t in tenants.values() for h in t.key_hashes}
-        self._mtime = os.stat(self.keys_file).st_mtime
+        # Swapped whole, so a call on the loop sees the old set or the new one, never half of each.
+        self.tenants, self._by_hash = tenants, {h: t.name for t in tenants.values() for h in t.key_hashes}
+        self._mtime = mtime
         log.info("loaded %d tenants from %s", len(tenants), self.keys_file)
 
-    def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if self.keys_file is None or now - self._checked < 1.0:
-            return
-        self._checked = now
+    def reload_if_changed(self) -> bool:
+        """Reload when the file's modification time moved; True when new tenants were loaded.
+
+        A bad file is logged once per change and the previous tenants are kept."""
+        if self.keys_file is None:
+            return False
         try:
-            if os.stat(self.keys_file).st_mtime != self._mtime:
+            mtime = os.stat(self.keys_file).st_mtime
+        except OSError as err:
+            mtime = None
+            problem = str(err)
+        else:
+            if mtime == self._mtime:
+                return False
+            try:
                 self.reload()
-        except (OSError, ValueError) as err:
-            log.error("keys file not reloaded, keeping the previous one: %s", err)
+                return True
+            except ValueError as err:
+                problem = str(err)
+        if mtime != self._bad_mtime:
+            log.error("keys file not reloaded, keeping the previous one: %s", problem)
+        self._bad_mtime = mtime
+        return False
 
     def tenant(self, metadata: tuple, peer_common_name: str | None = None) -> str:
         """The caller's tenant, or Unauthenticated."""
         if not self.enabled:
             return DEFAULT_TENANT
-        self._maybe_reload()
         bearer = next((v for k, v in metadata if k == "authorization"), None)
         if bearer is not None and self.keys_file is not None:
             scheme, _, key = bearer.partition(" ")

@@ -170,3 +170,70 @@ def _serves(client) -> bool:
             return all(m.loaded for m in client.list_models(timeout=5))
     except Exception:
         return False
+
+
+# ------------------------------------------------------------ keys file changes
+
+@pytest.fixture(scope="module")
+def quota_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("quota") / "keys.json"
+    write_keys(path, {"a": KEY_A})
+    s = ServerProcess("--engine", "sim", "--model", "tiny", "--api-keys", str(path), "--idempotency-db", "off").start()
+    s.keys_file = path
+    yield s
+    s.stop()
+
+
+def _rewrite(path, doc):
+    time.sleep(1.1)  # file mtimes have a resolution; make the change visible
+    path.write_text(json.dumps(doc))
+
+
+def test_quotas_in_a_changed_keys_file_apply_without_a_signal(quota_server):
+    from tokenline.client.errors import Overloaded
+
+    _rewrite(quota_server.keys_file, {"tenants": {"a": {"keys": [hash_key(KEY_A)], "max_concurrent": 1}}})
+    with Client(quota_server.address, api_key=KEY_A) as a:
+        def second_is_refused():
+            stream = a.generate("long", max_tokens=1500, ignore_eos=True)
+            next(iter(stream))
+            try:
+                a.complete("short", max_tokens=2)
+                return False
+            except Overloaded as err:
+                return "limit is 1" in err.details
+            finally:
+                stream.cancel()
+
+        assert wait_until(second_is_refused, timeout=15)
+
+
+@pytest.mark.parametrize("doc", [
+    {"tenants": {"a": {"keys": [hash_key(KEY_A)], "max_concurrent": "ten"}}},
+    {"tenants": {"a": {"keys": [hash_key(KEY_A)], "weight": None}}},
+    {"tenants": {"a": {"keys": [hash_key(KEY_A)], "max_concurrent": True}}},
+    {"tenants": {"a": {"keys": hash_key(KEY_A)}}},
+    {"tenants": {"a": [hash_key(KEY_A)]}},
+    {"tenants": [hash_key(KEY_A)]},
+    ["not", "an", "object"],
+])
+def test_a_keys_file_with_wrong_types_is_reported_and_the_previous_one_kept(quota_server, doc):
+    def reports():
+        return quota_server.output().count("keys file not reloaded, keeping the previous one")
+
+    before = reports()
+    _rewrite(quota_server.keys_file, doc)
+    assert wait_until(lambda: reports() > before, timeout=10)
+    # The previous file stays in force: requests are served, never answered UNKNOWN.
+    with Client(quota_server.address, api_key=KEY_A) as a:
+        assert len(a.complete("hi", max_tokens=2, ignore_eos=True).token_ids) == 2
+
+
+def test_a_bad_keys_file_at_start_is_a_clear_error(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"tenants": {"a": {"keys": [hash_key(KEY_A)], "max_concurrent": "ten"}}}))
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--api-keys", str(path), "--idempotency-db", "off")
+    server.start_listening(timeout=120)
+    assert server.wait(60) == 2
+    assert "max_concurrent must be a whole number" in server.output()
+    assert "Traceback" not in server.output()
