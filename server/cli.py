@@ -53,7 +53,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certificates; tenant = certificate CN")
     p.add_argument("--idempotency-db", default=None, metavar="PATH",
-                   help="SQLite file for idempotency keys (default: <cache>/idempotency.sqlite3; 'off' disables)")
+                   help="SQLite file for idempotency keys (default: <cache>/idempotency-<port>.sqlite3, one per server; "
+                        "with --port 0, in memory; 'off' disables)")
     p.add_argument("--idempotency-ttl-s", type=float, default=86_400.0, help="how long results are kept (default one day)")
     p.add_argument("--request-log-level", default="INFO",
                    help="level of the one key=value line per finished request, or OFF (default %(default)s)")
@@ -95,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServeConfig(host=args.host, port=args.port, models=((worker, plan.workers),), scheduler=sched,
                              grace_s=args.grace_s, fault_marker=args.fault_marker,
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                             tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db),
+                             tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
@@ -108,12 +109,16 @@ def run_serve(args: argparse.Namespace) -> int:
     return run(config)
 
 
-def _idempotency_db(value: str | None) -> str | None:
+def _idempotency_db(value: str | None, port: int) -> str | None:
     from tokenline.engine.models import cache_dir
 
     if value == "off":
         return None
-    return value or str(cache_dir() / "idempotency.sqlite3")
+    if value:
+        return value
+    # One store per server (by its port): servers a user runs side by side never share or lock
+    # one file. On a random port nobody can find the server again after a restart: keep it in memory.
+    return ":memory:" if port == 0 else str(cache_dir() / f"idempotency-{port}.sqlite3")
 
 
 def add_keys_parser(sub: argparse._SubParsersAction) -> None:

@@ -8,7 +8,9 @@ no live run behind it (the server restarted mid-run) is stale and replaced.
 SQLite blocks (disk, locks held by other processes), so every call runs on the
 store's own thread, in the order the calls were made; the event loop only waits
 on a future. A store that cannot be used answers `Unavailable`, never an
-internal error, and expired rows are purged while the server runs.
+internal error, and expired rows are purged while the server runs. A result
+that could not be written is kept in memory (bounded) and written by the next
+call that can, so a retry of its key replays it instead of generating again.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ _TOKEN_TEXT = "ALTER TABLE idempotency ADD COLUMN token_text TEXT"
 
 BUSY_TIMEOUT_S = 2.0  # how long one call waits for a lock another process holds
 PURGE_EVERY_S = 60.0
+MAX_UNSAVED = 10_000  # results kept in memory while the file cannot be written
+RETRY_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class IdempotencyStore:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenline-idempotency")
         self._db: sqlite3.Connection | None = None
         self._next_purge = 0.0
+        # (tenant, key) -> (fingerprint, result, token_text JSON): finished, not yet written.
+        self._unsaved: dict[tuple[str, str], tuple[str, bytes, str]] = {}
+        self._next_flush = 0.0
         self._thread.submit(self._open).result()  # at start-up: a store that cannot open stops the server
 
     # ------------------------------------------------ called on the event loop
@@ -72,9 +79,9 @@ class IdempotencyStore:
     async def begin(self, tenant: str, key: str, fingerprint: str) -> None:
         await self._call(self._begin, tenant, key, fingerprint)
 
-    def complete(self, tenant: str, key: str, result: bytes, token_text: list[str]) -> asyncio.Future:
-        """Queued at once (so a later lookup sees it); the future says whether it was stored."""
-        return self._call(self._complete, tenant, key, result, json.dumps(token_text))
+    def complete(self, tenant: str, key: str, fingerprint: str, result: bytes, token_text: list[str]) -> asyncio.Future:
+        """Queued at once (so a later lookup sees it); the future says whether it reached the file."""
+        return self._call(self._complete, tenant, key, fingerprint, result, json.dumps(token_text))
 
     def abandon(self, tenant: str, key: str) -> asyncio.Future:
         return self._call(self._abandon, tenant, key)
@@ -88,9 +95,17 @@ class IdempotencyStore:
 
     def _guarded(self, fn, *args):
         try:
+            if self._unsaved and fn != self._complete and time.monotonic() >= self._next_flush:
+                try:
+                    self._flush()
+                except sqlite3.Error:  # still not writable: go on with this call, try again a little later
+                    self._next_flush = time.monotonic() + RETRY_FLUSH_S
             if time.monotonic() >= self._next_purge:
                 self._next_purge = time.monotonic() + PURGE_EVERY_S
-                self.purge_expired()
+                try:
+                    self.purge_expired()
+                except sqlite3.Error as err:  # expired rows are never served; the next purge gets them
+                    log.warning("idempotency store %s: purge failed: %s", self.path, err)
             return fn(*args)
         except sqlite3.Error as err:
             log.error("idempotency store %s: %s failed: %s", self.path, fn.__name__.lstrip("_"), err)
@@ -110,6 +125,9 @@ class IdempotencyStore:
         self.purge_expired()
 
     def _lookup(self, tenant: str, key: str) -> StoredRun | None:
+        unsaved = self._unsaved.get((tenant, key))
+        if unsaved is not None:
+            return StoredRun(unsaved[0], "done", unsaved[1], tuple(json.loads(unsaved[2])))
         row = self._db.execute(
             "SELECT fingerprint, status, result, token_text FROM idempotency WHERE tenant=? AND key=? AND expires>?",
             (tenant, key, time.time()),
@@ -126,11 +144,25 @@ class IdempotencyStore:
             (tenant, key, fingerprint, "running", time.time() + self.ttl_s),
         )
 
-    def _complete(self, tenant: str, key: str, result: bytes, token_text: str) -> None:
-        self._db.execute(
-            "UPDATE idempotency SET status='done', result=?, token_text=?, expires=? WHERE tenant=? AND key=?",
-            (result, token_text, time.time() + self.ttl_s, tenant, key),
-        )
+    def _complete(self, tenant: str, key: str, fingerprint: str, result: bytes, token_text: str) -> None:
+        self._unsaved[(tenant, key)] = (fingerprint, result, token_text)
+        while len(self._unsaved) > MAX_UNSAVED:
+            dropped = next(iter(self._unsaved))
+            del self._unsaved[dropped]
+            log.error("idempotency store %s: more than %d results could not be written; the oldest is dropped "
+                      "(a retry of its key will generate again)", self.path, MAX_UNSAVED)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write the results kept in memory, oldest first; stops at the first failure."""
+        while self._unsaved:
+            (tenant, key), (fingerprint, result, token_text) = next(iter(self._unsaved.items()))
+            self._db.execute(
+                "INSERT OR REPLACE INTO idempotency (tenant, key, fingerprint, status, result, token_text, expires) "
+                "VALUES (?,?,?,'done',?,?,?)",
+                (tenant, key, fingerprint, result, token_text, time.time() + self.ttl_s),
+            )
+            del self._unsaved[(tenant, key)]
 
     def _abandon(self, tenant: str, key: str) -> None:
         self._db.execute("DELETE FROM idempotency WHERE tenant=? AND key=? AND status='running'", (tenant, key))

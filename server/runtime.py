@@ -245,8 +245,7 @@ class Runtime:
 
     def _capacity_changed(self) -> None:
         serving = all(self.model_loaded(m) for m in self.worker_configs)
-        for hook in self.on_capacity:
-            hook(serving)
+        _run_hooks(self.on_capacity, serving)
 
     # ------------------------------------------------------------- requests
 
@@ -335,8 +334,7 @@ class Runtime:
                 st.emit(Chunk(index, list(out.new_token_ids), out.text, st.attempt))
             if out.finished:
                 self._finish(st, out.finish_reason or FinishReason.STOP, at=now)
-        for hook in self.on_step:
-            hook(report)
+        _run_hooks(self.on_step, report)
         self._handle(self.scheduler.on_step(report))
 
     def _finish(self, st: RequestState, reason: FinishReason | None, error: ServingError | None = None,
@@ -352,8 +350,7 @@ class Runtime:
         self.requests.pop(st.key, None)
         self.stats.completed += 1
         st.emit(_END)
-        for hook in self.on_finished:
-            hook(st)
+        _run_hooks(self.on_finished, st)
 
     def _handle(self, actions: list) -> None:
         now = time.monotonic()
@@ -395,8 +392,7 @@ class Runtime:
                         self._finish(st, None, Quarantined(f"{a.message}; identical requests are refused for {self.quarantine_s:.0f} s"))
                     else:
                         self._finish(st, None, Unavailable(a.message))
-            for hook in self.on_action:
-                hook(a)
+            _run_hooks(self.on_action, a)
         self._arm_timer()
 
     def _dispatch(self, d: Dispatch, now: float) -> None:
@@ -465,6 +461,17 @@ class Runtime:
                 pass
         await asyncio.gather(*(asyncio.to_thread(h.terminate, timeout) for h in list(self.handles.values())))
         self.handles.clear()
+
+
+def _run_hooks(hooks: list[Callable], *args: object) -> None:
+    """Observers (telemetry, the idempotency store, health) run in the middle of the runtime's
+    bookkeeping: one that fails is logged, and never stops the rest of a step report, other
+    requests' output or the scheduler's accounting."""
+    for hook in hooks:
+        try:
+            hook(*args)
+        except Exception:
+            log.exception("%s failed; the request and the others go on", getattr(hook, "__qualname__", hook))
 
 
 def _refusal_error(a: Refuse) -> ServingError:

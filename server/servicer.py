@@ -270,7 +270,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             return
         # Queued to the store's thread now (a later lookup is queued after it); failures are logged there.
         if state.error is None and state.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING):
-            _in_background(self.idempotency.complete(state.tenant, state.idempotency_key,
+            _in_background(self.idempotency.complete(state.tenant, state.idempotency_key, state.fingerprint,
                                                      _complete_response(state).SerializeToString(), state.text))
         else:
             _in_background(self.idempotency.abandon(state.tenant, state.idempotency_key))
