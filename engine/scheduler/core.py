@@ -136,6 +136,7 @@ class Scheduler(AdmissionControl):
             return []
         now = self.clock()
         w.applied_seq = max(w.applied_seq, report.applied_seq)
+        w.last_report_at = now
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
         w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
@@ -217,31 +218,27 @@ class Scheduler(AdmissionControl):
             progress = False
             for cls in CLASSES:
                 queue = model.queues[cls]
-                for wid in workers:
-                    w, budget = self.workers[wid], budgets[wid]
-                    if not queue or not open_[wid] or not self._rule_fires(model_name, cls, budget, now):
+                fires = {wid: open_[wid] and self._rule_fires(model_name, cls, budgets[wid], now) for wid in workers}
+                while queue:
+                    e = queue.peek()
+                    candidates = [wid for wid in workers if fires[wid] and open_[wid]
+                                  and self._can_take(e, self.workers[wid], budgets[wid], model, admitted[wid], now)]
+                    if not candidates:
+                        break  # the head fits nowhere now: it keeps its place
+                    wid = min(candidates, key=lambda i: self._first_token_at(e, self.workers[i], now))
+                    w = self.workers[wid]
+                    if self._cannot_complete(e, w, now):
+                        self._dequeue(e)  # it asked to finish by its deadline, and no longer can
+                        transition(e, Status.EXPIRED)
+                        self.counters.expired_queued += 1
+                        self._forget(e)
+                        actions.append(Expire(e.key))
                         continue
-                    reserve = self._bulk_reserve(w, model) if cls == TrafficClass.INTERACTIVE else 0
-                    while queue and open_[wid]:
-                        e = queue.peek()
-                        if e.crashes and (w.running or admitted[wid]):
-                            break  # a suspect waits for an idle worker
-                        if budget.slots - 1 < reserve or not budget.fits(e):
-                            break
-                        if self._cannot_complete(e, w, now):
-                            self._dequeue(e)  # it asked to finish by its deadline, and no longer can
-                            transition(e, Status.EXPIRED)
-                            self.counters.expired_queued += 1
-                            self._forget(e)
-                            actions.append(Expire(e.key))
-                            continue
-                        if not self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated):
-                            break  # one more sequence would slow running requests past their deadlines
-                        budget.try_admit(e)
-                        self._dequeue(e, admitted=True)
-                        admitted[wid].append(self._admit(e, w, now))
-                        open_[wid] = not e.crashes
-                        progress = True
+                    budgets[wid].try_admit(e)
+                    self._dequeue(e, admitted=True)
+                    admitted[wid].append(self._admit(e, w, now))
+                    open_[wid] = not e.crashes
+                    progress = True
         for wid in workers:
             if admitted[wid]:
                 w = self.workers[wid]
@@ -256,6 +253,31 @@ class Scheduler(AdmissionControl):
                 self._preempting = False
         self._note_capacity(model, now)
         return actions
+
+    def _can_take(self, e: Entry, w: WorkerView, budget: StepBudget, model: ModelState, admitted: list[Admission],
+                  now: float) -> bool:
+        """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?"""
+        if e.crashes and (w.running or admitted):
+            return False  # a suspect waits for an idle worker
+        reserve = self._bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else 0
+        if budget.slots - 1 < reserve or not budget.fits(e):
+            return False
+        # One more sequence must not slow running requests past their deadlines.
+        return self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
+
+    def _first_token_at(self, e: Entry, w: WorkerView, now: float) -> tuple[float, int, int]:
+        """When `e` would get its first token on `w`: its next step's start, then a step with `e` in it.
+
+        From the worker's measured step time at its batch, the prompts it still owes, and when its
+        current step began; ties (before any step was measured) go to the smaller batch, then to
+        more free slots.
+        """
+        est = w.estimator
+        start = now
+        if w.running and w.last_report_at < now:  # mid-step: `e` joins the step after this one
+            start = max(now, w.last_report_at + est.step_s(len(w.running)))
+        done = start + est.first_token_s(len(w.running) + 1, self._prefill_owed(w) + e.prompt_tokens + e.generated)
+        return done, len(w.running), -w.slots_free()
 
     def _budget(self, w: WorkerView) -> StepBudget:
         free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
@@ -422,7 +444,8 @@ class Scheduler(AdmissionControl):
         self._release(e)
         transition(e, Status.FINISHED)
         self.counters.finished += 1
-        self.models[e.model].drained.append((now, e.prompt_tokens + e.generated))
+        drained = self.models[e.model].drained
+        drained.append((now, e.prompt_tokens + e.generated))
         self._forget(e)
 
     def _release(self, e: Entry) -> None:

@@ -22,6 +22,7 @@ class WorkerView:
     seq: int = 0  # last admission batch sent
     applied_seq: int = 0  # last admission batch the worker applied
     pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
+    last_report_at: float = 0.0  # when its last step ended (the next one began)
 
     def accepting(self) -> bool:
         # A suspect (running when some worker died) runs alone, so a second crash names it.
