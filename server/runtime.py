@@ -119,6 +119,8 @@ def fingerprint(model: str, sampling: Sampling, prompt_ids: list[int]) -> str:
     return h.hexdigest()
 
 
+MAX_QUARANTINED = 10_000  # fingerprints refused at once; beyond it the soonest to expire goes
+
 _END = object()  # sentinel in a request's mailbox: finished (or failed, see .error)
 
 
@@ -257,7 +259,9 @@ class Runtime:
             raise DuplicateRequest(f"request id {state.request_id!r} is already in flight; use a new id")
         now = time.monotonic()
         until = self._quarantined.get(state.fingerprint)
-        if until is not None and until > now:
+        if until is not None and until <= now:
+            del self._quarantined[state.fingerprint]
+        elif until is not None:
             raise Quarantined(f"this request (same model, prompt and sampling) crashed workers repeatedly and is refused for another {until - now:.0f} s")
         state.timeline.enqueued = now
         entry = Entry(key=state.key, model=state.model, tenant=state.tenant, cls=state.cls,
@@ -388,12 +392,21 @@ class Runtime:
                 st = self.requests.get(a.key)
                 if st is not None:
                     if a.quarantined:
-                        self._quarantined[st.fingerprint] = now + self.quarantine_s
+                        self._quarantine(st.fingerprint, now)
                         self._finish(st, None, Quarantined(f"{a.message}; identical requests are refused for {self.quarantine_s:.0f} s"))
                     else:
                         self._finish(st, None, Unavailable(a.message))
             _run_hooks(self.on_action, a)
         self._arm_timer()
+
+    def _quarantine(self, fingerprint: str, now: float) -> None:
+        """Refuse this work for a while; expired entries go as new ones come, so the list stays
+        as long as what is quarantined now (and never longer than MAX_QUARANTINED)."""
+        for fp in [fp for fp, until in self._quarantined.items() if until <= now]:
+            del self._quarantined[fp]
+        while len(self._quarantined) >= MAX_QUARANTINED:
+            del self._quarantined[min(self._quarantined, key=self._quarantined.__getitem__)]
+        self._quarantined[fingerprint] = now + self.quarantine_s
 
     def _dispatch(self, d: Dispatch, now: float) -> None:
         items = []

@@ -446,6 +446,8 @@ class Scheduler(AdmissionControl):
         self.counters.finished += 1
         drained = self.models[e.model].drained
         drained.append((now, e.prompt_tokens + e.generated))
+        while drained[0][0] < now - self.config.drain_window_s:  # bounded by its window, whoever reads it
+            drained.popleft()
         self._forget(e)
 
     def _release(self, e: Entry) -> None:
