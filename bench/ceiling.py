@@ -11,6 +11,11 @@ explicit KV cache, priority scheduling. `requests.json` holds two lists of
 - "throughput": all handed to `LLM.generate` at once: the engine's own output tokens/s.
 - "sequential": one at a time, stepping the engine and timing each step's new
   tokens: the engine's own time to first token and inter-token latency at concurrency 1.
+
+`--threads N` runs the engine on N OpenMP threads (the box's cores in one engine);
+`--shard I/N --ready-dir D` runs every N-th throughput request in one of N engines started side
+by side, all starting together once each has written its name into D (the box's cores as N
+engines); `bench compare` adds up their output.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def sampling(request: dict, *, delta: bool = False):  # noqa: ANN201
 
 def throughput(llm, requests: list[dict]) -> dict:  # noqa: ANN001
     prompts = [{"prompt_token_ids": r["prompt_ids"]} for r in requests]
+    started_at = time.time()
     start = time.perf_counter()
     outputs = llm.generate(prompts, [sampling(r) for r in requests], use_tqdm=False)
     duration = time.perf_counter() - start
@@ -57,6 +63,7 @@ def throughput(llm, requests: list[dict]) -> dict:  # noqa: ANN001
     in_tokens = sum(len(r["prompt_ids"]) for r in requests)
     return {"completed": len(outputs), "duration": duration, "total_input_tokens": in_tokens,
             "total_output_tokens": out_tokens, "output_throughput": out_tokens / duration,
+            "started_at": started_at, "ended_at": started_at + duration,
             "request_throughput": len(outputs) / duration, "total_token_throughput": (in_tokens + out_tokens) / duration}
 
 
@@ -102,16 +109,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-budget", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=4, help="short unrecorded requests first (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine (default %(default)s)")
+    p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th throughput request, from the I-th; no sequential run")
+    p.add_argument("--ready-dir", type=Path, default=None, help="with --shard: start once all N shards are ready here")
     args = p.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported
     workload = json.loads(args.requests.read_text())
+    if args.shard:
+        index, count = (int(x) for x in args.shard.split("/"))
+        workload = {"throughput": workload.get("throughput", [])[index::count]}
     started = time.perf_counter()
     llm = build_llm(args)
     startup = time.perf_counter() - started
     warm = [dict(r, max_tokens=4) for r in (workload.get("sequential") or workload.get("throughput") or [])[: args.warmup]]
     if warm:
         llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in warm], [sampling(r) for r in warm], use_tqdm=False)
-    result = {"engine": "vllm in-process (offline)", "startup_s": startup}
+    result = {"engine": "vllm in-process (offline)", "startup_s": startup, "threads": args.threads}
+    if args.shard and args.ready_dir:
+        _wait_for_shards(args.ready_dir, index, count)
     if workload.get("throughput"):
         result["throughput"] = throughput(llm, workload["throughput"])
         print(f"ceiling: throughput {result['throughput']['output_throughput']:.0f} output tok/s", file=sys.stderr)
@@ -120,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ceiling: concurrency 1 ttft p50 {result['sequential']['median_ttft_ms']:.1f} ms", file=sys.stderr)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _wait_for_shards(folder: Path, index: int, count: int, timeout_s: float = 900.0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / str(index)).touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(folder.iterdir())) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

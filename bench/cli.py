@@ -48,7 +48,9 @@ COMPARE_EXAMPLES = """examples:
   tokenline bench compare                                  # the default model: several minutes
   tokenline bench compare --model tiny --skip vllm,mixed   # engine ceiling vs tokenline only
 
-Starts each server itself, one at a time, on free loopback ports, with the same engine settings.
+Starts each server itself, one at a time, on free loopback ports: tokenline with `tokenline serve`'s
+defaults (sized from the machine), vllm serve with its own (--vllm-same-settings: tokenline's), and
+the engine in-process both with one tokenline worker's settings and as the box's best (all cores).
 """
 
 SIMULATE_EXAMPLES = """examples:
@@ -95,7 +97,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                          epilog=COMPARE_EXAMPLES, formatter_class=_formatter)
     cmp.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
     serve = serve_defaults()  # the engine settings default to `tokenline serve`'s own
-    cmp.add_argument("--kv-cache-mb", type=int, default=serve["kv_cache_mb"], help="KV cache in MiB (default %(default)s)")
+    cmp.add_argument("--kv-cache-mb", type=int, default=serve["kv_cache_mb"],
+                     help="KV cache per tokenline worker in MiB (default: tokenline serve's plan from the machine)")
     cmp.add_argument("--max-seqs", type=int, default=serve["max_seqs"], help="sequences at once (default %(default)s)")
     cmp.add_argument("--max-model-len", type=int, default=serve["max_model_len"], help="context limit (default %(default)s)")
     cmp.add_argument("--block-size", type=int, default=serve["block_size"], help="KV block size (default %(default)s)")
@@ -111,7 +114,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--interactive-share", type=float, default=0.3, help="mixed run: interactive share of output tokens (default %(default)s)")
     cmp.add_argument("--slo-ttft-ms", type=float, help="interactive TTFT bound (default: max(200, 4 × engine TTFT))")
     cmp.add_argument("--slo-itl-ms", type=float, help="interactive ITL bound (default: max(50, 2.5 × engine ITL))")
-    cmp.add_argument("--skip", default="", help="comma-separated steps to leave out: ceiling, tokenline, vllm, mixed")
+    cmp.add_argument("--skip", default="", help="comma-separated steps to leave out: ceiling, best, tokenline, vllm, mixed")
+    cmp.add_argument("--vllm-same-settings", action="store_true",
+                     help="start vllm serve with tokenline's engine settings instead of its own defaults")
     cmp.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")
     cmp.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     cmp.add_argument("--out", default=None, help="output folder (default bench-results/compare-<time>)")

@@ -3,10 +3,17 @@
 Servers run one at a time (the machine's cores are shared), each started here
 with the same model and engine settings on a free loopback port:
 
-1. engine ceiling: the saturation and concurrency-1 workloads through vLLM in-process
-2. tokenline: saturation (all requests at once), concurrency 1
-3. vllm serve: saturation, concurrency 1, then the mixed interactive + bulk load
-4. tokenline: the mixed load
+1. engine ceiling: the saturation and concurrency-1 workloads through vLLM in-process, with the
+   settings of one tokenline worker (its threads and KV cache)
+2. the box's best engine: the same workloads through vLLM in-process using every usable CPU, as one
+   engine with that many threads and as that many 1-thread engines side by side; the better counts
+3. tokenline: saturation (all requests at once), concurrency 1
+4. vllm serve: saturation, concurrency 1, then the mixed interactive + bulk load
+5. tokenline: the mixed load
+
+tokenline runs with `tokenline serve`'s defaults (workers, threads and KV sized from the machine)
+unless settings are given; vllm serve with its own defaults, given only what it needs to start
+here (the same total KV cache as tokenline's workers), unless `vllm_same_settings`.
 
 The mixed load offers `mixed_load` × the lower of the two servers' saturation
 output throughput, a `interactive_share` of its tokens interactive. Its
@@ -25,11 +32,18 @@ from typing import Any
 from tokenline.bench.arrivals import ArrivalProcess
 from tokenline.bench.report import fmt, format_results, table
 from tokenline.bench.runner import LoadGeneratorBehind
-from tokenline.bench.servers import EngineSettings, ServerProcess, run_ceiling, start_tokenline, start_vllm
+from tokenline.bench.servers import (
+    EngineSettings,
+    ServerProcess,
+    run_ceiling,
+    run_ceiling_engines,
+    start_tokenline,
+    start_vllm,
+)
 from tokenline.bench.session import BenchSpec, Outcome, jsonable, plan, run_once, write_outputs
 from tokenline.bench.workload import LengthDist, Slo, StreamSpec
 
-STEPS = ("ceiling", "tokenline", "vllm", "mixed")
+STEPS = ("ceiling", "best", "tokenline", "vllm", "mixed")
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class CompareSpec:
     seed: int = 0
     skip: frozenset[str] = frozenset()
     tokenline_engine: str = "vllm"
+    vllm_same_settings: bool = False  # True: vllm serve gets tokenline's engine settings, not its own defaults
 
     def __post_init__(self) -> None:
         unknown = set(self.skip) - set(STEPS)
@@ -116,13 +131,19 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
         log(summary)
         return outcome
 
+    plan = spec.settings.plan()
+    log(f"-- this machine, as tokenline serve sizes it: {plan.describe()}")
+    requests_path = out_dir / "ceiling-requests.json"
+    requests_path.write_text(json.dumps(ceiling_requests(spec)))
     if "ceiling" not in spec.skip:
-        log("-- engine ceiling (vLLM in-process)")
-        requests_path = out_dir / "ceiling-requests.json"
-        requests_path.write_text(json.dumps(ceiling_requests(spec)))
-        ceiling = run_ceiling(spec.settings, requests_path, out_dir / "ceiling.json", out_dir / "logs" / "ceiling.log")
+        log(f"-- engine ceiling (vLLM in-process, one tokenline worker's settings: {plan.threads} thread(s))")
+        ceiling = run_ceiling(spec.settings, requests_path, out_dir / "ceiling.json", out_dir / "logs" / "ceiling.log",
+                              threads=plan.threads)
         log(f"   {ceiling['throughput']['output_throughput']:.0f} output tok/s; concurrency 1: ttft p50 "
             f"{ceiling['sequential']['median_ttft_ms']:.1f} ms, itl p50 {ceiling['sequential']['median_itl_ms']:.2f} ms")
+    best: dict[str, Any] | None = None
+    if "best" not in spec.skip:
+        best = box_best(spec, plan, requests_path, out_dir, log)
 
     servers = [k for k in ("tokenline", "vllm") if k not in spec.skip]
     for kind in servers:
@@ -138,9 +159,10 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
         with _start(servers[0], spec, out_dir) as server:
             await measure(server, "mixed", replace(mixed, target=server.address))
 
-    report = {"settings": spec.settings.__dict__, "ceiling": ceiling, "mixed_slo": slo.as_dict() if slo else None,
+    report = {"settings": spec.settings.__dict__, "plan": plan.describe(), "ceiling": ceiling, "box_best": best,
+              "mixed_slo": slo.as_dict() if slo else None,
               "runs": {name: outcome.results for name, outcome in runs.items()}, "not_measured": failed,
-              "ratios": ratios(ceiling, runs)}
+              "ratios": ratios(ceiling, runs, best)}
     (out_dir / "compare.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
     text = format_comparison(report)
     (out_dir / "compare.txt").write_text(text + "\n")
@@ -149,11 +171,31 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
     return report
 
 
+def box_best(spec: CompareSpec, plan: Any, requests_path: Path, out_dir: Path, log: Any) -> dict[str, Any]:
+    """The box's best in-process engine: all usable CPUs as one engine's threads, or as 1-thread engines side by side."""
+    cpus = plan.machine.cpus
+    total_kv_mb = plan.kv_cache_bytes * plan.workers // (1 << 20)
+    log(f"-- the box's best engine: 1 engine × {cpus} threads (KV {total_kv_mb} MiB)")
+    one = run_ceiling(spec.settings, requests_path, out_dir / f"ceiling-1x{cpus}.json",
+                      out_dir / "logs" / f"ceiling-1x{cpus}.log", threads=cpus, kv_cache_mb=total_kv_mb)
+    configs = {f"1 engine × {cpus} threads": one["throughput"]["output_throughput"]}
+    log(f"   {configs[f'1 engine × {cpus} threads']:.0f} output tok/s")
+    if cpus > 1:
+        log(f"-- the box's best engine: {cpus} engines × 1 thread, side by side")
+        many = run_ceiling_engines(spec.settings, requests_path, out_dir, cpus, kv_cache_mb=max(total_kv_mb // cpus, 64))
+        configs[f"{cpus} engines × 1 thread"] = many["output_throughput"]
+        log(f"   {many['output_throughput']:.0f} output tok/s")
+    name = max(configs, key=configs.get)
+    return {"config": name, "output_throughput": configs[name], "configs": configs, "sequential_all_threads": one.get("sequential")}
+
+
 def _start(kind: str, spec: CompareSpec, out_dir: Path) -> ServerProcess:
     log_path = out_dir / "logs" / f"{kind}.log"
     if kind == "tokenline":
         return start_tokenline(spec.settings, log_path, engine=spec.tokenline_engine)
-    return start_vllm(spec.settings, log_path)
+    plan = spec.settings.plan()
+    return start_vllm(spec.settings, log_path, own_defaults=not spec.vllm_same_settings,
+                      kv_cache_mb=None if spec.vllm_same_settings else plan.kv_cache_bytes * plan.workers // (1 << 20))
 
 
 def mixed_slo(spec: CompareSpec, ceiling: dict | None, runs: dict[str, Outcome]) -> Slo:
@@ -165,7 +207,7 @@ def mixed_slo(spec: CompareSpec, ceiling: dict | None, runs: dict[str, Outcome])
     return Slo(ttft_ms=spec.slo_ttft_ms or max(200.0, 4 * ttft), itl_ms=spec.slo_itl_ms or max(50.0, 2.5 * itl))
 
 
-def ratios(ceiling: dict | None, runs: dict[str, Outcome]) -> dict[str, Any]:
+def ratios(ceiling: dict | None, runs: dict[str, Outcome], best: dict | None = None) -> dict[str, Any]:
     def get(run: str, key: str, cls: str | None = None) -> float:
         outcome = runs.get(run)
         if outcome is None:
@@ -179,6 +221,8 @@ def ratios(ceiling: dict | None, runs: dict[str, Outcome]) -> dict[str, Any]:
             out[f"{kind}_throughput_over_ceiling"] = get(f"{kind}/saturation", "output_throughput") / ceiling["throughput"]["output_throughput"]
             out[f"{kind}_ttft_overhead_ms_c1"] = get(f"{kind}/c1", "median_ttft_ms") - ceiling["sequential"]["median_ttft_ms"]
             out[f"{kind}_itl_overhead_ms_c1"] = get(f"{kind}/c1", "median_itl_ms") - ceiling["sequential"]["median_itl_ms"]
+        if best is not None:
+            out[f"{kind}_throughput_over_box_best"] = get(f"{kind}/saturation", "output_throughput") / best["output_throughput"]
         out[f"{kind}_interactive_goodput_mixed"] = get(f"{kind}/mixed", "goodput", "interactive")
     out["tokenline_over_vllm"] = {
         run: {key: get(f"tokenline/{run}", key) / get(f"vllm/{run}", key)
@@ -223,9 +267,18 @@ def format_comparison(report: dict[str, Any]) -> str:
     lines = [table(("", "tokenline", "vllm serve", "engine", "tokenline ÷ vllm"), rows), ""]
     for name, why in (report.get("not_measured") or {}).items():
         lines.append(f"{name}: not measured: {why}")
+    if report.get("plan"):
+        lines.append(f"tokenline's plan on this machine: {report['plan']}")
+    best = report.get("box_best")
+    if best:
+        measured = "; ".join(f"{k}: {v:,.0f}" for k, v in best["configs"].items())
+        lines.append(f"the box's best engine: {best['config']}, {best['output_throughput']:,.0f} output tok/s ({measured})")
+        for kind, name in (("tokenline", "tokenline"), ("vllm", "vllm serve")):
+            if f"{kind}_throughput_over_box_best" in r:
+                lines.append(f"{name}: served throughput ÷ the box's best engine {fmt(r[f'{kind}_throughput_over_box_best'], '.2f')}")
     for kind, name in (("tokenline", "tokenline"), ("vllm", "vllm serve")):
         if f"{kind}_throughput_over_ceiling" in r:
-            lines.append(f"{name}: served throughput ÷ engine ceiling {fmt(r[f'{kind}_throughput_over_ceiling'], '.2f')}; "
+            lines.append(f"{name}: served throughput ÷ engine with one worker's settings {fmt(r[f'{kind}_throughput_over_ceiling'], '.2f')}; "
                          f"over the engine at concurrency 1: ttft +{fmt(r[f'{kind}_ttft_overhead_ms_c1'], '.1f')} ms, "
                          f"itl +{fmt(r[f'{kind}_itl_overhead_ms_c1'], '.2f')} ms")
     if report.get("mixed_slo"):

@@ -43,7 +43,7 @@ class EngineSettings:
     """The engine settings shared by tokenline, `vllm serve` and the engine-ceiling run."""
 
     model: str | None = None  # a model name tokenline knows ("tiny"; None = the default) or a folder
-    kv_cache_mb: int = 512
+    kv_cache_mb: int | None = None  # per tokenline worker; None: tokenline's plan from the machine
     max_seqs: int = 64
     max_model_len: int = 4096
     block_size: int = 128
@@ -54,6 +54,17 @@ class EngineSettings:
         from tokenline.engine.models import resolve_model
 
         return resolve_model(self.model)
+
+    def plan(self):  # noqa: ANN201 - engine.machine.WorkerPlan
+        """What `tokenline serve` with these settings runs on this machine: workers, threads, KV per worker."""
+        from tokenline.engine.machine import kv_bytes_per_token, plan_workers, read_machine
+
+        return plan_workers(read_machine(), kv_cache_bytes=self.kv_cache_mb * MiB if self.kv_cache_mb else None,
+                            kv_bytes_per_token=kv_bytes_per_token(self.model_path(), self.dtype),
+                            max_seqs=self.max_seqs, max_model_len=self.max_model_len)
+
+    def worker_kv_mb(self) -> int:
+        return self.kv_cache_mb or self.plan().kv_cache_bytes // MiB
 
     def context_len(self) -> int:
         """max_model_len clipped to the model's own context, as tokenline's worker clips it."""
@@ -121,7 +132,7 @@ def start_tokenline(settings: EngineSettings, log_path: Path, *, engine: str = "
     """`tokenline serve` on a free port; returns once it prints that it is serving."""
     cmd = [sys.executable, "-m", "tokenline.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
            "--engine", engine, "--model", str(settings.model_path()),
-           "--kv-cache-mb", str(settings.kv_cache_mb), "--max-seqs", str(settings.max_seqs),
+           *(("--kv-cache-mb", str(settings.kv_cache_mb)) if settings.kv_cache_mb else ()), "--max-seqs", str(settings.max_seqs),
            "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size),
            "--prefill-budget", str(settings.prefill_budget), "--log-level", "WARNING", *extra_args]
     process = _launch(cmd, log_path)
@@ -137,16 +148,23 @@ def start_tokenline(settings: EngineSettings, log_path: Path, *, engine: str = "
     raise _fail(process, "tokenline", log_path, f"not serving after {timeout_s:g} s")
 
 
-def start_vllm(settings: EngineSettings, log_path: Path, *, timeout_s: float = 600.0) -> ServerProcess:
-    """vLLM's OpenAI-compatible server (through the AMX-safe launcher) on a free port."""
+def start_vllm(settings: EngineSettings, log_path: Path, *, timeout_s: float = 600.0, own_defaults: bool = False,
+               kv_cache_mb: int | None = None) -> ServerProcess:
+    """vLLM's OpenAI-compatible server (through the AMX-safe launcher) on a free port.
+
+    With `own_defaults`, only what it needs to start here is given (model, dtype, a KV size: its
+    default asks for 90 % of RAM; priority scheduling, which the bench's requests use): the rest,
+    batch sizes, block size, compilation and threads, are vLLM's own.
+    """
     port = free_port()
     path = settings.model_path()
     cmd = [sys.executable, "-m", "tokenline.bench.vllm_serve", "--model", str(path), "--served-model-name", path.name,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", settings.dtype, "--enforce-eager",
-           "--kv-cache-memory-bytes", str(settings.kv_cache_mb * MiB), "--block-size", str(settings.block_size),
-           "--max-num-seqs", str(settings.max_seqs), "--max-model-len", str(settings.context_len()),
-           "--max-num-batched-tokens", str(settings.prefill_budget), "--scheduling-policy", "priority",
-           "--disable-log-stats", "--disable-uvicorn-access-log"]
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", settings.dtype,
+           "--kv-cache-memory-bytes", str((kv_cache_mb or settings.worker_kv_mb()) * MiB),
+           "--scheduling-policy", "priority", "--disable-log-stats", "--disable-uvicorn-access-log"]
+    if not own_defaults:
+        cmd += ["--enforce-eager", "--block-size", str(settings.block_size), "--max-num-seqs", str(settings.max_seqs),
+                "--max-model-len", str(settings.context_len()), "--max-num-batched-tokens", str(settings.prefill_budget)]
     process = _launch(cmd, log_path)
     address = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -164,14 +182,44 @@ def start_vllm(settings: EngineSettings, log_path: Path, *, timeout_s: float = 6
 
 
 def run_ceiling(settings: EngineSettings, requests_path: Path, out_path: Path, log_path: Path, *,
-                timeout_s: float = 1800.0) -> dict:
+                timeout_s: float = 1800.0, threads: int = 1, kv_cache_mb: int | None = None) -> dict:
     """The engine-ceiling run (bench/ceiling.py) in its own process; returns its results."""
-    cmd = [sys.executable, "-m", "tokenline.bench.ceiling", "--model", str(settings.model_path()),
-           "--requests", str(requests_path), "--out", str(out_path), "--kv-cache-mb", str(settings.kv_cache_mb),
-           "--max-seqs", str(settings.max_seqs), "--max-model-len", str(settings.context_len()),
-           "--block-size", str(settings.block_size), "--prefill-budget", str(settings.prefill_budget),
-           "--dtype", settings.dtype]
-    process = _launch(cmd, log_path)
+    process = _launch(_ceiling_cmd(settings, requests_path, out_path, threads, kv_cache_mb or settings.worker_kv_mb()), log_path)
+    _wait_ceiling(process, out_path, log_path, timeout_s)
+    return json.loads(out_path.read_text())
+
+
+def run_ceiling_engines(settings: EngineSettings, requests_path: Path, out_dir: Path, engines: int, *,
+                        timeout_s: float = 1800.0, kv_cache_mb: int | None = None) -> dict:
+    """The saturation workload split over `engines` 1-thread engines run side by side: their summed output tok/s."""
+    ready = out_dir / "ready"
+    if ready.exists():
+        for f in ready.iterdir():
+            f.unlink()
+    runs = []
+    for i in range(engines):
+        out_path = out_dir / f"ceiling-{engines}x1-{i}.json"
+        cmd = _ceiling_cmd(settings, requests_path, out_path, 1, kv_cache_mb or settings.worker_kv_mb())
+        cmd += ["--shard", f"{i}/{engines}", "--ready-dir", str(ready)]
+        runs.append((_launch(cmd, out_dir / "logs" / f"ceiling-{engines}x1-{i}.log"), out_path))
+    for process, out_path in runs:
+        _wait_ceiling(process, out_path, out_dir / "logs" / f"{out_path.stem}.log", timeout_s)
+    parts = [json.loads(out_path.read_text())["throughput"] for _, out_path in runs]
+    duration = max(p["ended_at"] for p in parts) - min(p["started_at"] for p in parts)
+    out_tokens = sum(p["total_output_tokens"] for p in parts)
+    return {"engines": engines, "threads": 1, "duration": duration, "total_output_tokens": out_tokens,
+            "output_throughput": out_tokens / duration, "completed": sum(p["completed"] for p in parts)}
+
+
+def _ceiling_cmd(settings: EngineSettings, requests_path: Path, out_path: Path, threads: int, kv_cache_mb: int) -> list[str]:
+    return [sys.executable, "-m", "tokenline.bench.ceiling", "--model", str(settings.model_path()),
+            "--requests", str(requests_path), "--out", str(out_path), "--kv-cache-mb", str(kv_cache_mb),
+            "--max-seqs", str(settings.max_seqs), "--max-model-len", str(settings.context_len()),
+            "--block-size", str(settings.block_size), "--prefill-budget", str(settings.prefill_budget),
+            "--dtype", settings.dtype, "--threads", str(threads)]
+
+
+def _wait_ceiling(process: subprocess.Popen, out_path: Path, log_path: Path, timeout_s: float) -> None:
     try:
         code = process.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -179,4 +227,3 @@ def run_ceiling(settings: EngineSettings, requests_path: Path, out_path: Path, l
         raise _fail(process, "engine ceiling", log_path, f"still running after {timeout_s:g} s") from None
     if code != 0 or not out_path.exists():
         raise _fail(process, "engine ceiling", log_path, f"exit status {code}")
-    return json.loads(out_path.read_text())
