@@ -51,6 +51,7 @@ def worker_main(conn: Connection, worker_id: int, config: WorkerConfig) -> None:
     os.environ["OMP_NUM_THREADS"] = str(config.threads)  # the plan's (or --threads') choice, before torch loads
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
+    _engine_chatter_to_file()
 
     from tokenline.engine.backend import build_backend
 
@@ -67,6 +68,48 @@ def worker_main(conn: Connection, worker_id: int, config: WorkerConfig) -> None:
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the frontend is gone: nothing left to serve
     _exit(0)
+
+
+WORKER_LOGS_KEPT = 20
+
+
+def _engine_chatter_to_file() -> None:
+    """Send what the engine and its libraries print to a log file; keep tokenline's own warnings on stderr.
+
+    vLLM, torch, transformers and their C++ parts print start-up notices, deprecation warnings and
+    progress bars straight to the process's stdout and stderr, so the redirection is of the file
+    descriptors. The file is `<cache>/logs/worker-<pid>.log` (the newest WORKER_LOGS_KEPT are kept);
+    TOKENLINE_WORKER_LOGS=stderr leaves everything on the terminal.
+    """
+    if os.environ.get("TOKENLINE_WORKER_LOGS") == "stderr":
+        return
+    from tokenline.engine.models import cache_dir
+
+    folder = cache_dir() / "logs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        old = sorted(folder.glob("worker-*.log"), key=lambda p: p.stat().st_mtime)[:-WORKER_LOGS_KEPT]
+        for path in old:
+            path.unlink(missing_ok=True)
+        fd = os.open(folder / f"worker-{os.getpid()}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as e:
+        log.warning("worker output stays on the terminal: cannot write %s (%s)", folder, e)
+        return
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    form = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ours = logging.getLogger("tokenline")
+    for stream, level in ((terminal, logging.WARNING), (sys.stderr, logging.INFO)):  # stderr is the file now
+        handler = logging.StreamHandler(stream)
+        handler.setLevel(level)
+        handler.setFormatter(form)
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def _exit(code: int) -> None:
