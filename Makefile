@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tokenline-installed
 PIP    := $(BIN)/pip install --progress-bar off -c requirements/constraints.txt
-# vLLM on these CPU machines: one thread per process (see docs/vllm-cpu.md).
+# vLLM on these CPU machines: one thread per process unless the machine plan says otherwise.
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
 export VLLM_NO_USAGE_STATS = 1
@@ -32,6 +32,8 @@ run: model
 	$(BIN)/tokenline serve $(ARGS)
 
 test: model
+	@# The tiny test model and its self-check reference, built once before any test server needs them.
+	$(BIN)/python -m tokenline.engine.models prepare --tiny
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -234,4 +234,7 @@ def model_from_proto(model: pb.ModelInfo) -> ModelInfo:
         max_context=model.max_context,
         loaded=model.loaded,
         workers=model.workers,
+        dtype=model.dtype,
+        attention_kernel=model.attention_kernel,
+        self_check=model.self_check,
     )

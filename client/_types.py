@@ -90,3 +90,6 @@ class ModelInfo:
     max_context: int
     loaded: bool
     workers: int
+    dtype: str = ""  # what its workers run: dtype, attention kernel, and the self-check's verdict
+    attention_kernel: str = ""
+    self_check: str = ""

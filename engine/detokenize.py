@@ -1,0 +1,57 @@
+"""Streamed text that is the text of the streamed tokens, across attempts.
+
+vLLM turns each sequence's tokens into text with tokenizers' DecodeStream, primed with the prompt.
+A continuation (after a crash or a preemption) sends the tokens already delivered back as part of
+the prompt, and they may stop inside a multi-byte character; the native priming then emits the
+whole prompt's text with the next token. This module holds the fix; it imports neither vLLM nor
+torch (tokenizers only, when installed), so it is tested without an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DecodeStreamPrimedAtACharacter:
+    """tokenizers' DecodeStream, primed so that a prompt ending inside a character leaks no prompt text.
+
+    vLLM detokenizes each request with a DecodeStream primed with the prompt's token ids. When the
+    prompt ends inside a multi-byte character (a continuation after a crash or preemption whose
+    delivered tokens stop between the bytes of an emoji), the native priming emits the *whole
+    prompt's text* with the next token (tokenizers 0.23; shown by tests/test_failures.py).
+    Priming natively up to the last whole character, then stepping the rest, gives just the
+    completed character. vLLM looks the class up on `tokenizers.decoders`: `install` puts this one there.
+    """
+
+    _native: Any = None
+    _MAX_UNFINISHED = 32
+
+    def __init__(self, ids: list[int] | None = None, skip_special_tokens: bool = False):
+        self._ids = list(ids or ())
+        self._skip = skip_special_tokens
+        self._stream: Any = None
+
+    def step(self, tokenizer: Any, token_id: int) -> str | None:
+        if self._stream is None:
+            self._stream = self._prime(tokenizer)
+        return self._stream.step(tokenizer, token_id)
+
+    def _prime(self, tokenizer: Any) -> Any:
+        ids, cut = self._ids, len(self._ids)
+        # Back to the last whole character: an unfinished one, or bytes that never make one, decode
+        # to U+FFFD. Bounded: past _MAX_UNFINISHED tokens the rest is stepped (and shown) as it comes.
+        while cut > 0 and len(ids) - cut < self._MAX_UNFINISHED and tokenizer.decode(
+                ids[max(cut - 8, 0):cut], skip_special_tokens=self._skip).endswith("\ufffd"):
+            cut -= 1
+        stream = self._native(ids=ids[:cut], skip_special_tokens=self._skip)
+        for token_id in ids[cut:]:
+            stream.step(tokenizer, token_id)
+        return stream
+
+    @classmethod
+    def install(cls) -> None:
+        import tokenizers.decoders
+
+        if cls._native is None:
+            cls._native = tokenizers.decoders.DecodeStream
+            tokenizers.decoders.DecodeStream = cls

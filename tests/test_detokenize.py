@@ -1,0 +1,65 @@
+"""A stream's text does not depend on where attempts split it (engine/detokenize.py).
+
+A continuation primes its decode stream with the prompt plus the tokens already delivered; the
+caller must see exactly the text one uninterrupted stream would have shown, whatever bytes the
+split falls between. Checked on the tiny model's byte-level tokenizer, whose random tokens are
+full of unfinished and invalid UTF-8 (the hard case), and on a character split by hand.
+"""
+
+import random
+
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter
+from tokenline.engine.models import resolve_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_file(str(resolve_model("tiny") / "tokenizer.json"))
+
+
+@pytest.fixture(autouse=True)
+def native_stream(monkeypatch):
+    monkeypatch.setattr(DecodeStreamPrimedAtACharacter, "_native", DecodeStream)
+
+
+def stream_text(tokenizer, prompt, tokens):
+    stream = DecodeStreamPrimedAtACharacter(ids=prompt, skip_special_tokens=True)
+    return "".join(stream.step(tokenizer, t) or "" for t in tokens)
+
+
+def test_a_stream_split_anywhere_shows_the_same_text_as_one_stream(tokenizer):
+    rng = random.Random(7)
+    prompt = tokenizer.encode("stream number 8 tells a story", add_special_tokens=False).ids
+    for _ in range(300):
+        tokens = [rng.randrange(tokenizer.get_vocab_size()) for _ in range(rng.randrange(2, 40))]
+        split = rng.randrange(1, len(tokens))
+
+        whole = stream_text(tokenizer, prompt, tokens)
+        first = stream_text(tokenizer, prompt, tokens[:split])
+        rest = stream_text(tokenizer, prompt + tokens[:split], tokens[split:])  # the continuation
+
+        assert first + rest == whole
+        assert "stream number" not in rest
+
+
+def test_a_character_split_between_attempts_arrives_whole_with_the_continuation(tokenizer):
+    prompt = tokenizer.encode("The story begins", add_special_tokens=False).ids
+    vocab = tokenizer.get_vocab()
+    encoded = "沨".encode()
+    byte_tokens = [vocab[c] for c in _byte_level(encoded)]  # three one-byte tokens
+
+    assert stream_text(tokenizer, prompt, byte_tokens[:2]) == ""  # nothing shown for half a character
+    assert stream_text(tokenizer, prompt + byte_tokens[:2], byte_tokens[2:]) == "沨"
+
+
+def _byte_level(data: bytes) -> list[str]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelled, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in spelled:
+            spelled[b], extra = chr(256 + extra), extra + 1
+    return [spelled[b] for b in data]

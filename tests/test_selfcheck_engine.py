@@ -1,0 +1,62 @@
+"""The self-check on the real engine: a worker that answers differently from its reference won't serve."""
+
+import shutil
+
+import pytest
+
+from tokenline.client import Client
+from tokenline.engine import models, selfcheck
+from tests.support import ServerProcess
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    """A copy of the tiny model with other weights: same names, shapes, config and tokenizer, as a bad
+    copy or a bad conversion would leave it, and the reference of the intact folder."""
+    tiny = models.resolve_model("tiny")
+    selfcheck.reference_for(tiny, models.cache_dir())  # stored inside the folder, so the copy carries it
+    root = tmp_path_factory.mktemp("damaged")
+    folder = root / "tiny-damaged"
+    shutil.copytree(tiny, folder)
+    other = models.build_tiny_model(root / "other", seed=1)
+    shutil.copyfile(other / "model.safetensors", folder / "model.safetensors")
+    return folder
+
+
+def test_a_damaged_copy_of_a_model_folder_is_refused_at_start_with_the_numbers(damaged):
+    server = ServerProcess("--model", str(damaged)).start_listening()
+    try:
+        code = server.wait(timeout=300)
+    finally:
+        server.stop()
+
+    out = server.output()
+    assert code == 1, out
+    assert "tokenline: workers failed to start" in out
+    assert "model self-check FAILED" in out
+    assert "which the reference scores" in out or "reference" in out  # the numbers, per failed probe
+    assert "--attention-kernel vec" in out  # and what to try
+
+
+def test_with_the_check_set_to_warn_the_damaged_folder_serves_and_says_so(damaged):
+    server = ServerProcess("--model", str(damaged), "--self-check", "warn").start()
+    try:
+        with Client(server.address) as client:
+            info = client.list_models()[0]
+    finally:
+        server.stop()
+
+    assert info.loaded
+    assert info.self_check.startswith("FAILED")
+    assert "model self-check FAILED" in server.output()
+
+
+def test_the_tiny_model_passes_its_self_check_and_says_which_kernel_and_dtype_it_runs(tiny_server):
+    with Client(tiny_server.address) as client:
+        info = client.list_models()[0]
+
+    assert info.self_check.startswith("passed"), info.self_check
+    assert info.dtype == "bfloat16"
+    assert info.attention_kernel.split(" ")[0] in ("vec", "vec16", "amx", "neon", "engine")
