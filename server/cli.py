@@ -30,7 +30,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes for the model (default: one per usable CPU, or per GPU)")
     p.add_argument("--threads", type=int, default=None,
-                   help="OpenMP threads per worker (default: 1, or the CPUs divided among --workers when that is given)")
+                   help="OpenMP threads per worker (default 1: measured, two 1-thread workers out-serve one 2-thread worker)")
     p.add_argument("--standby-workers", type=int, default=0,
                    help="extra workers per model that load the model and wait; one takes over at once when a worker dies")
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm", help="vllm, or the simulated engine")

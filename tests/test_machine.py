@@ -31,8 +31,8 @@ def test_flags_override_the_machine():
     assert (plan.workers, plan.threads, plan.kv_cache_bytes) == (3, 2, 512 * MiB)
 
 
-def test_workers_given_without_threads_share_the_cpus():
-    assert plan_workers(Machine(cpus=8, available_bytes=64 * GiB), workers=2).threads == 4
+def test_workers_given_without_threads_run_one_thread_each():
+    assert plan_workers(Machine(cpus=8, available_bytes=64 * GiB), workers=2).threads == 1
 
 
 def test_small_memory_limits_the_number_of_workers():
