@@ -21,6 +21,7 @@ Only the standard library is imported at module level; torch and transformers ar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -209,8 +210,6 @@ def reference_location(folder: Path, cache: Path) -> Path:
     inside = folder / REFERENCE_FILE
     if inside.is_file() or (folder / BUILT_MARKER).is_file():
         return inside
-    import hashlib
-
     key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
     return Path(cache) / "references" / f"{key}.json"
 

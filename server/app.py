@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.watchdog import StepWatchdog
 from tokenline.server.auth import Authenticator
 from tokenline.server.catalog import ServedModel, load_served_model
 from tokenline.server.idempotency import IdempotencyStore
@@ -50,6 +51,9 @@ class ServeConfig:
     idempotency_db: str | None = None  # SQLite file; None: idempotency keys are refused
     idempotency_ttl_s: float = 86_400.0
     standby_workers: int = 0  # per model: loaded, idle, promoted when a worker dies
+    # A worker with work in flight that reports no step for this long (or 10x its longest recent
+    # step, if more) is declared lost and killed; 0 turns the watchdog off.
+    step_watchdog_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -60,6 +64,8 @@ class ServeConfig:
             raise ValueError("grace_s must be >= 0")
         if self.standby_workers < 0:
             raise ValueError("standby_workers must be >= 0")
+        if self.step_watchdog_s < 0:
+            raise ValueError("step_watchdog_s must be >= 0 (0 turns the watchdog off)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
@@ -88,7 +94,9 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     # Per-tenant quotas from the keys file feed the scheduler's limits, on top of the configured ones.
     scheduler_config = replace(config.scheduler, tenants={**config.scheduler.tenants, **auth.quotas()})
     idempotency = IdempotencyStore(config.idempotency_db, config.idempotency_ttl_s) if config.idempotency_db else None
-    runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers)
+    watchdog = StepWatchdog(config.step_watchdog_s) if config.step_watchdog_s > 0 else None
+    runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers,
+                      watchdog=watchdog)
     telemetry = telemetry or Telemetry(config.telemetry)
     telemetry.watch(runtime, default_model)
     try:

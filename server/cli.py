@@ -54,6 +54,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-tokens", type=int, default=1_000_000, help="queued tokens per class (default %(default)s)")
     p.add_argument("--bulk-floor", type=float, default=0.1, help="share of slots kept for waiting bulk (default %(default)s)")
     p.add_argument("--max-attempts", type=int, default=3, help="attempts per request across worker crashes")
+    p.add_argument("--step-watchdog-s", type=float, default=5.0,
+                   help="a worker with work in flight that reports no step for this long (or 10x its longest recent "
+                        "step, if more) is declared lost and killed, and its requests continue elsewhere; 0: off "
+                        "(default %(default)s)")
     p.add_argument("--grace-s", type=float, default=30.0, help="drain period on SIGTERM (default %(default)s)")
     p.add_argument("--fault-marker", default=None, help="TESTING ONLY: a worker crashes on a prompt containing this text")
     p.add_argument("--log-level", default="INFO", help="log level (default %(default)s)")
@@ -108,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              grace_s=args.grace_s, fault_marker=args.fault_marker,
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
-                             idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers,
+                             idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:

@@ -23,11 +23,14 @@ from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
 from tokenline.engine.scheduler.records import Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StopRun
 from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, Shutdown, StepReport, TrafficClass, WorkerFailed, WorkerSpec, WorkItem
+from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
 from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, InvalidRequest, Overloaded, Quarantined, ServingError, Unavailable
 from tokenline.server.timeline import Timeline
 
 log = logging.getLogger("tokenline.runtime")
+
+WATCHDOG_CHECK_S = 0.5  # how often silent workers are looked for
 
 
 @dataclass(frozen=True, order=True)
@@ -133,7 +136,8 @@ class RuntimeStats:
 
 class Runtime:
     def __init__(self, scheduler_config: SchedulerConfig, workers: dict[str, tuple[WorkerConfig, int]],
-                 *, restart_workers: bool = True, quarantine_s: float = 600.0, standby: int = 0):
+                 *, restart_workers: bool = True, quarantine_s: float = 600.0, standby: int = 0,
+                 watchdog: StepWatchdog | None = None):
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
@@ -160,10 +164,14 @@ class Runtime:
         self._standby_ready: dict[str, dict[int, WorkerSpec]] = {name: {} for name in workers}
         self._closing = False
         self.start_errors: dict[str, str] = {}
+        self.watchdog = watchdog  # None: a hung worker is never declared lost
+        self._watch_timer: asyncio.TimerHandle | None = None
 
     # -------------------------------------------------------------- workers
 
     def start(self) -> None:
+        if self.watchdog is not None:
+            self._watch_timer = self.loop.call_later(WATCHDOG_CHECK_S, self._check_silence)
         for model, (cfg, count) in self.worker_configs.items():
             for _ in range(count):
                 self._spawn(model, cfg)
@@ -209,6 +217,8 @@ class Runtime:
         self._capacity_changed()
 
     def _on_worker_exit(self, wid: int, exitcode: int | None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.forget(wid)
         handle = self.handles.pop(wid, None)
         self.specs.pop(wid, None)
         model = self._worker_model.pop(wid, None)
@@ -229,6 +239,31 @@ class Runtime:
             # A promoted standby is replaced by a new standby; otherwise the worker itself restarts.
             standby = was_standby or (self.standby > 0 and len(self._standby_ids) < self.standby)
             self._spawn(model, self.worker_configs[model][0], standby=standby and not self._needs_active(model))
+
+    def _busy_workers(self) -> set[int]:
+        return {st.worker_id for st in self.by_run.values() if not st.done and st.worker_id is not None}
+
+    def _heaviest_step_s(self, wid: int) -> float:
+        """The step-time model's estimate for this worker's heaviest step: every slot, a full prefill."""
+        view, spec = self.scheduler.workers.get(wid), self.specs.get(wid)
+        if view is None or spec is None:
+            return 0.0
+        return view.estimator.predict_s(spec.max_seqs, spec.prefill_token_budget)
+
+    def _check_silence(self) -> None:
+        """Kill a worker that has work in flight but has stopped reporting steps (hung, stopped):
+        its exit then takes the path of any crash, and its runs continue as new attempts."""
+        if self._closing or self.watchdog is None:
+            return
+        for silence in self.watchdog.silent(self._busy_workers(), time.monotonic()):
+            handle = self.handles.get(silence.worker_id)
+            if handle is None:
+                continue
+            log.error("worker %d sent no step report for %.1f s with work in flight (limit %.1f s): declared lost, killing it",
+                      silence.worker_id, silence.silent_s, silence.limit_s)
+            self.watchdog.forget(silence.worker_id)
+            handle.kill()
+        self._watch_timer = self.loop.call_later(WATCHDOG_CHECK_S, self._check_silence)
 
     def _promote_standby(self, model: str) -> bool:
         """Put a loaded standby worker to work at once, in place of one that died."""
@@ -318,6 +353,8 @@ class Runtime:
 
     def _on_step(self, report: StepReport) -> None:
         now = time.monotonic()
+        if self.watchdog is not None:
+            self.watchdog.on_step(report.worker_id, report.step_s, now, self._heaviest_step_s(report.worker_id))
         for key in report.first_scheduled:
             st = self.by_run.get(key)
             if st is not None and st.timeline.first_scheduled is None:
@@ -410,6 +447,8 @@ class Runtime:
         self._quarantined[fingerprint] = now + self.quarantine_s
 
     def _dispatch(self, d: Dispatch, now: float) -> None:
+        if self.watchdog is not None and d.worker_id not in self._busy_workers():
+            self.watchdog.expect(d.worker_id, now)  # an idle worker's silence was not a hang
         items = []
         for adm in d.admissions:
             st = self.requests[adm.key]
@@ -466,6 +505,8 @@ class Runtime:
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closing = True
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
         for st in list(self.requests.values()):
             self._finish(st, None, Unavailable("the server shut down before the request finished"))
         for h in list(self.handles.values()):

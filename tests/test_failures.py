@@ -191,3 +191,43 @@ def test_with_a_standby_worker_a_killed_worker_is_replaced_at_once_and_health_ne
         assert wait_until(lambda: s.output().count("standby worker") >= 3, timeout=120)
     finally:
         s.stop()
+
+
+def test_a_hung_worker_is_declared_lost_and_its_streams_continue_on_the_standby(judge):
+    import re
+
+    s = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
+                      "--standby-workers", "1", "--step-watchdog-s", "3").start()
+    stopped = None
+    try:
+        assert wait_until(lambda: "standby worker" in s.output() and "ready" in s.output(), timeout=120)
+        active_pid = int(re.search(r"worker \d+ ready: model \S+, pid (\d+), \d+ KV", s.output()).group(1))
+        prompts = [judge.encode(p) for p in PROMPTS]
+
+        def hang():
+            nonlocal stopped
+            stopped = active_pid
+            os.kill(active_pid, signal.SIGSTOP)  # alive, holding its pipe, silent: no crash to notice
+
+        with HealthWatcher(s) as health:
+            results, recovered_s = asyncio.run(run_streams(s.address, prompts, kill_after_tokens=20, kill=hang))
+        assert [err for _, err in results if err is not None] == []
+        for prompt_ids, (deltas, _) in zip(prompts, results):
+            assert_whole_and_greedy(judge, prompt_ids, deltas)
+        assert any(d.attempt > 1 for deltas, _ in results for d in deltas)
+        assert "declared lost" in s.output()
+        assert wait_until(lambda: not os.path.exists(f"/proc/{active_pid}") or _is_zombie(active_pid), timeout=30)
+        # The standby took over: health never said NOT_SERVING.
+        assert health_pb2.HealthCheckResponse.NOT_SERVING not in health.seen
+        print(f"\nhung worker: declared lost; first token after the hang in {recovered_s:.2f} s")
+    finally:
+        if stopped is not None and os.path.exists(f"/proc/{stopped}"):
+            os.kill(stopped, signal.SIGCONT)
+        s.stop()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
