@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Dispatch, Entry, Expire, Fail, Refuse, Retry, StopRun
-from tokenline.engine.types import SeqOutput, StepReport, TrafficClass, WorkerSpec
+from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refuse, Retry, StopRun
+from tokenline.engine.types import SeqOutput, StepPlan, StepReport, TrafficClass, WorkerSpec
 
 
 class VirtualClock:
@@ -86,6 +86,25 @@ class _Seq:
     prompt_tokens: int
     generated: int = 0
     prefilled: bool = False
+    interactive: bool = False
+    prompt_done: int = 0  # prompt tokens computed so far (a plan may prefill a prompt in chunks)
+
+    @property
+    def prompt_left(self) -> int:
+        return 0 if self.prefilled else self.prompt_tokens - self.prompt_done
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One simulated step, for tests and plots."""
+
+    start: float
+    duration: float
+    batch: int
+    prefill_tokens: int
+    interactive: int  # interactive sequences running on the worker (in the step or not)
+    paused: int  # running sequences the plan held back
+    predicted_s: float  # the plan's forecast (0: no plan in force)
 
 
 @dataclass
@@ -101,6 +120,9 @@ class SimWorker:
     steps: int = 0
     busy_time: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)
+    plan: StepPlan = field(default_factory=StepPlan)
+    members: dict[str, int] = field(default_factory=dict)  # run key -> prompt tokens, of the step under way
+    step_log: list[StepRecord] = field(default_factory=list)
     kv_blocks_peak: int = 0  # most KV blocks its sequences held in one step (what vLLM would have to allocate)
 
 
@@ -210,7 +232,8 @@ class Simulation:
                         o.departed = now
                     e = self.scheduler.entries[adm.key]
                     stop = min(e.max_tokens, self._stops_after.get(adm.key) or e.max_tokens)
-                    seqs.append(_Seq(adm.run_key, stop - adm.generated, e.prompt_tokens + adm.generated))
+                    seqs.append(_Seq(adm.run_key, stop - adm.generated, e.prompt_tokens + adm.generated,
+                                     interactive=e.cls == TrafficClass.INTERACTIVE))
                 w.pending.append((a.seq, seqs))
                 if w.busy_until is None:
                     self._start_step(w)
@@ -227,6 +250,8 @@ class Simulation:
             elif isinstance(a, Fail):
                 o = self.outcomes[a.key]
                 o.status, o.message, o.completed = "failed", a.message, now
+            elif isinstance(a, Compose):
+                self.workers[a.worker_id].plan = a.plan
             elif isinstance(a, Retry):
                 pass
 
@@ -250,25 +275,34 @@ class Simulation:
         if not w.running:
             w.busy_until = None
             return
-        prefill = sum(s.prompt_tokens for s in w.running.values() if not s.prefilled)
+        w.members = _step_members(w)
+        prefill = sum(w.members.values())
         held = sum(-(-(s.prompt_tokens + s.generated + 1) // w.spec.block_size) for s in w.running.values())
         w.kv_blocks_peak = max(w.kv_blocks_peak, held)
-        duration = w.cost(len(w.running), prefill)
+        duration = w.cost(len(w.members), prefill)
+        interactive = sum(s.interactive for s in w.running.values())
+        w.step_log.append(StepRecord(self.clock.now, duration, len(w.members), prefill, interactive,
+                                     len(w.running) - len(w.members), w.plan.predicted_step_s if interactive else 0.0))
         w.busy_until = self.clock.now + duration
         w.busy_time += duration
         w.steps += 1
-        w.batch_sizes.append(len(w.running))
+        w.batch_sizes.append(len(w.members))
         self._push(w.busy_until, "step_end", w.spec.worker_id)
 
     def _step_end(self, w: SimWorker) -> None:
         now = self.clock.now
         outputs = []
-        batch = len(w.running)
+        members = [w.running[k] for k in w.members if k in w.running]  # less what was aborted mid-step
+        batch = len(members)
         prefill = 0
-        for s in list(w.running.values()):
+        for s in members:
             if not s.prefilled:
-                prefill += s.prompt_tokens
-                s.prefilled = True
+                chunk = w.members[s.run_key]
+                prefill += chunk
+                s.prompt_done += chunk
+                s.prefilled = s.prompt_done >= s.prompt_tokens
+                if not s.prefilled:
+                    continue  # a prompt chunk: no token yet
             s.generated += 1
             done = s.generated >= s.max_tokens
             outputs.append(SeqOutput(s.run_key, [1], "x", finished=done))
@@ -289,3 +323,27 @@ class Simulation:
         self._handle(self.scheduler.on_step(report))
         if w.busy_until is None:
             self._start_step(w)
+
+
+def _step_members(w: SimWorker) -> dict[str, int]:
+    """The sequences in the next step, each with the prompt tokens it computes.
+
+    All of them, whole prompts, unless a plan is in force and an interactive one runs. Then, as the
+    vLLM worker does it: interactive sequences all run; the oldest `bulk_decode` bulk sequences
+    decode, the others pause with their KV; prompts prefill in chunks within the plan's prefill
+    tokens, interactive first.
+    """
+    seqs = list(w.running.values())
+    plan = w.plan
+    if not plan.limits or not any(s.interactive for s in seqs):
+        return {s.run_key: s.prompt_left for s in seqs}
+    prefill_left = plan.prefill_tokens if plan.prefill_tokens is not None else 1 << 62
+    decoding = [s for s in seqs if not s.interactive and s.prefilled]
+    members = {s.run_key: 0 for s in seqs if s.interactive and s.prefilled}
+    members.update((s.run_key, 0) for s in (decoding if plan.bulk_decode is None else decoding[:plan.bulk_decode]))
+    for s in sorted((s for s in seqs if not s.prefilled), key=lambda s: not s.interactive):
+        chunk = s.prompt_left if s.interactive else min(s.prompt_left, prefill_left)
+        if chunk > 0:
+            members[s.run_key] = chunk
+            prefill_left -= chunk
+    return members

@@ -57,6 +57,26 @@ class WorkItem:
 
 
 @dataclass(frozen=True)
+class StepPlan:
+    """How a worker composes its steps while interactive sequences are in it; None means no limit.
+
+    Decided by the scheduler (engine/scheduler/composition.py), carried out by the backend: every
+    interactive sequence decodes, at most `bulk_decode` bulk sequences decode (the others pause
+    and keep their KV), and at most `prefill_tokens` prompt tokens are computed, interactive
+    prompts first. With no interactive sequence in the engine the backend ignores the plan, so
+    bulk gets the whole machine the moment interactive traffic ends.
+    """
+
+    bulk_decode: int | None = None
+    prefill_tokens: int | None = None
+    predicted_step_s: float = 0.0  # the scheduler's forecast of a step run to this plan (0: no plan)
+
+    @property
+    def limits(self) -> bool:
+        return self.bulk_decode is not None or self.prefill_tokens is not None
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """What a worker can hold, sent once when it is ready."""
 
@@ -107,6 +127,7 @@ class StepReport:
     # Keys the engine refused or failed (prompt too long, token out of vocabulary, engine error),
     # with a reason fit to show the caller; such an item produces no further output.
     rejected: dict[str, str] = field(default_factory=dict)
+    paused: int = 0  # running bulk sequences held back this step by the step plan (their KV kept)
 
 
 # Messages from the frontend to a worker.

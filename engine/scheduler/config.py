@@ -15,8 +15,17 @@ class ClassConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000  # prompt + max new tokens of everything queued
     max_attempts: int = 3  # first attempt + retries after worker failures
+    # Latency targets (None: none). While a class with an ITL target has streams running, every
+    # step of their worker is composed to be predicted within it (composition.py); the TTFT
+    # target is what the bench measures attainment against.
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("ttft_target_s", "itl_target_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 seconds (or None for no target), got {value}")
         if self.admission_window_s < 0:
             raise ValueError(f"admission_window_s must be >= 0, got {self.admission_window_s}")
         if self.max_queued_requests < 1:
@@ -70,6 +79,11 @@ class SchedulerConfig:
     default_tenant: TenantConfig = field(default_factory=TenantConfig)
     # Seconds of history used to estimate drain rate for retry hints.
     drain_window_s: float = 10.0
+    # Step composition under an ITL target: plan steps to this share of the target (the model
+    # predicts a mean; the rest is headroom for noise), and let at least this many bulk sequences
+    # decode in every step, so that bulk never starves while interactive streams run.
+    itl_target_share: float = 0.85
+    min_bulk_decode: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.bulk_floor < 1.0:
@@ -80,6 +94,10 @@ class SchedulerConfig:
             raise ValueError(f"kv_margin_tokens must be >= 1 (every step adds a token to each sequence), got {self.kv_margin_tokens}")
         if self.step_time_prior_s <= 0:
             raise ValueError(f"step_time_prior_s must be > 0, got {self.step_time_prior_s}")
+        if not 0.0 < self.itl_target_share <= 1.0:
+            raise ValueError(f"itl_target_share must be in (0, 1], got {self.itl_target_share}")
+        if self.min_bulk_decode < 0:
+            raise ValueError(f"min_bulk_decode must be >= 0, got {self.min_bulk_decode}")
         if self.quarantine_after_crashes < 1:
             raise ValueError("quarantine_after_crashes must be >= 1")
 

@@ -19,12 +19,14 @@ from collections.abc import Callable
 
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget, blocks_for
+from tokenline.engine.scheduler.composition import WorkerLoad, compose_step
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.estimator import StepEstimator
 from tokenline.engine.scheduler.queues import ClassQueue
 from tokenline.engine.scheduler.records import (
     Action,
     Admission,
+    Compose,
     Counters,
     Dispatch,
     Entry,
@@ -252,6 +254,22 @@ class Scheduler(AdmissionControl):
             finally:
                 self._preempting = False
         self._note_capacity(model, now)
+        return self._compose(model) + actions  # the plan first: it is in place when the admissions land
+
+    def _compose(self, model: ModelState) -> list[Action]:
+        """Each worker's step plan for what now runs on it; sent only when its limits change."""
+        actions: list[Action] = []
+        for wid in model.workers:
+            w = self.workers[wid]
+            interactive = [e for e in w.running.values() if e.cls == TrafficClass.INTERACTIVE]
+            load = WorkerLoad(interactive=len(interactive),
+                              interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
+                              bulk=len(w.running) - len(interactive))
+            plan = compose_step(load, w.estimator, self.config.interactive.itl_target_s,
+                                share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode)
+            if (plan.bulk_decode, plan.prefill_tokens) != (w.plan.bulk_decode, w.plan.prefill_tokens):
+                actions.append(Compose(wid, plan))
+            w.plan = plan
         return actions
 
     def _can_take(self, e: Entry, w: WorkerView, budget: StepBudget, model: ModelState, admitted: list[Admission],

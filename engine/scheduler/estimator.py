@@ -63,6 +63,16 @@ class StepEstimator:
         a, b, _ = self._coef
         return max(a + b * max(batch, 1) / _BATCH_SCALE, 1e-6)
 
+    def predict_s(self, batch: int, prefill_tokens: int) -> float:
+        """A step with `batch` sequences that prefills `prefill_tokens` prompt tokens."""
+        return self.step_s(batch) + prefill_tokens * self.prefill_per_token_s
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c) of a + b·batch + c·prefill tokens, in seconds."""
+        a, b, c = self._coef
+        return a, b / _BATCH_SCALE, c / _PREFILL_SCALE
+
     def first_token_s(self, batch: int, prompt_tokens: int) -> float:
         """Time from admission to the first token: one step that also prefills the prompt."""
         return self.step_s(batch) + prompt_tokens * self.prefill_per_token_s

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tokenline.engine.scheduler.status import Status
-from tokenline.engine.types import TrafficClass
+from tokenline.engine.types import StepPlan, TrafficClass
 
 
 @dataclass
@@ -123,7 +123,15 @@ class Retry:
     attempt: int
 
 
-Action = Dispatch | Refuse | Expire | StopRun | Fail | Retry
+@dataclass(frozen=True)
+class Compose:
+    """Compose this worker's coming steps by `plan` (composition.py) until told otherwise."""
+
+    worker_id: int
+    plan: StepPlan
+
+
+Action = Dispatch | Refuse | Expire | StopRun | Fail | Retry | Compose
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from tokenline.engine.scheduler.estimator import StepEstimator
 from tokenline.engine.scheduler.queues import ClassQueue
 from tokenline.engine.scheduler.records import Entry
-from tokenline.engine.types import TrafficClass, WorkerSpec
+from tokenline.engine.types import StepPlan, TrafficClass, WorkerSpec
 
 
 @dataclass
@@ -23,6 +23,7 @@ class WorkerView:
     applied_seq: int = 0  # last admission batch the worker applied
     pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
     last_report_at: float = 0.0  # when its last step ended (the next one began)
+    plan: StepPlan = field(default_factory=StepPlan)  # the step plan last sent to it
 
     def accepting(self) -> bool:
         # A suspect (running when some worker died) runs alone, so a second crash names it.

@@ -1,0 +1,98 @@
+"""Step composition under an interactive ITL target, in virtual time (issue 15).
+
+A bulk flood fills the worker; interactive streams arrive now and then. While one runs, every
+step is composed so the worker's predicted step time (its inter-token latency) stays within the
+target; bulk keeps decoding (never starves); with no interactive stream, bulk is not capped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenline.engine.scheduler.composition import NO_LIMIT, WorkerLoad, compose_step
+from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
+from tokenline.engine.scheduler.estimator import StepEstimator
+from tokenline.engine.simulation import Simulation, SimRequest, linear_cost, worker_spec
+from tokenline.engine.types import TrafficClass
+
+# Shaped like the default model on a 2-core box: ≈40 ms alone, ≈136 ms at 48 sequences.
+BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S = 0.038, 0.002, 0.0006
+SOLO_STEP_S = BASE_S + PER_SEQ_S
+TARGET_S = 2.5 * SOLO_STEP_S
+WARM_UP_STEPS = 40  # the scheduler learns the step-time curve from the worker's reports first
+
+
+def _flood(bulk: int = 96, interactive_every_s: float = 1.5, interactive: int = 12) -> list[SimRequest]:
+    reqs = [SimRequest(f"bulk-{i}", 0.0, prompt_tokens=256, max_tokens=96, cls=TrafficClass.BULK) for i in range(bulk)]
+    reqs += [SimRequest(f"chat-{i}", 3.0 + i * interactive_every_s, prompt_tokens=64, max_tokens=48)
+             for i in range(interactive)]
+    return reqs
+
+
+def _run(itl_target_s: float | None, requests: list[SimRequest]) -> Simulation:
+    config = SchedulerConfig(interactive=ClassConfig(itl_target_s=itl_target_s), bulk_floor=0.0)
+    spec = worker_spec(0, max_seqs=48, continuous=True, prefill_token_budget=4096)
+    sim = Simulation(config, [(spec, linear_cost(BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S))])
+    sim.run(requests)
+    return sim
+
+
+@pytest.fixture(scope="module")
+def composed() -> Simulation:
+    return _run(TARGET_S, _flood())
+
+
+def test_while_interactive_runs_every_step_is_predicted_and_taken_within_the_target(composed):
+    log = composed.workers[0].step_log
+    with_interactive = [s for s in log[WARM_UP_STEPS:] if s.interactive]
+    assert len(with_interactive) > 100
+    assert all(0 < s.predicted_s <= TARGET_S for s in with_interactive)
+    assert max(s.duration for s in with_interactive) <= TARGET_S
+
+
+def test_bulk_keeps_decoding_while_interactive_runs_and_every_request_finishes(composed):
+    log = composed.workers[0].step_log
+    for s in log:
+        if s.interactive:
+            assert s.batch - s.interactive >= 1 or s.paused == 0  # some bulk sequence decodes whenever one is running
+    assert all(o.status == "finished" for o in composed.outcomes.values())
+
+
+def test_with_no_interactive_stream_running_bulk_is_not_capped(composed):
+    quiet = [s for s in composed.workers[0].step_log if not s.interactive]
+    assert quiet and all(s.paused == 0 for s in quiet)
+    assert max(s.batch for s in quiet) == 48
+
+
+def test_interactive_streams_meet_the_target_that_an_uncomposed_flood_misses(composed):
+    def worst_mean_itl(sim: Simulation) -> float:
+        chats = [o for o in sim.outcomes.values() if o.cls == TrafficClass.INTERACTIVE]
+        return max((o.completed - o.first_token) / (o.tokens - 1) for o in chats)
+
+    assert worst_mean_itl(composed) <= TARGET_S
+    assert worst_mean_itl(_run(None, _flood())) > TARGET_S
+
+
+def test_a_target_with_no_interactive_traffic_costs_bulk_nothing():
+    bulk_only = [r for r in _flood() if r.cls == TrafficClass.BULK]
+    with_target, without = _run(TARGET_S, bulk_only), _run(None, bulk_only)
+    end = lambda sim: max(o.completed for o in sim.outcomes.values())  # noqa: E731
+    assert end(with_target) == pytest.approx(end(without))
+
+
+def test_the_rule_fills_the_step_interactive_first_then_bulk_then_prompts():
+    est = StepEstimator(0.05)
+    for batch in (1, 8, 16, 32, 48):  # learn a + b·batch + c·prefill exactly
+        for prefill in (0, 256):
+            for _ in range(20):
+                est.observe(batch, prefill, BASE_S + PER_SEQ_S * batch + PER_PREFILL_TOKEN_S * prefill)
+    plan = compose_step(WorkerLoad(interactive=2, interactive_prefill=64, bulk=40), est, TARGET_S, share=1.0)
+    assert plan.bulk_decode is not None and 1 <= plan.bulk_decode < 40
+    assert plan.prefill_tokens is not None and plan.prefill_tokens >= 64
+    assert plan.predicted_step_s <= TARGET_S
+    # one more bulk sequence would not have fitted
+    assert est.predict_s(2 + plan.bulk_decode + 1, 64) > TARGET_S
+    assert compose_step(WorkerLoad(0, 0, 40), est, TARGET_S) == NO_LIMIT
+    assert compose_step(WorkerLoad(2, 0, 40), est, None) == NO_LIMIT
+    # a target too tight for even one bulk sequence still lets one decode
+    assert compose_step(WorkerLoad(2, 0, 40), est, SOLO_STEP_S, min_bulk=1).bulk_decode == 1
