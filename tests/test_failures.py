@@ -119,12 +119,17 @@ def test_worker_sigkill_mid_stream_every_stream_completes_once_and_continues_fro
         assert_whole_and_greedy(judge, prompt_ids, deltas)
     retried = sum(deltas[-1].attempt > 1 for deltas, _ in results)
     assert retried >= 1
+    # One crash blames no one: the interrupted streams ran on together, not one at a time as suspects.
+    spans = [(min(d.received_at for d in deltas if d.attempt > 1), max(d.received_at for d in deltas if d.attempt > 1))
+             for deltas, _ in results if deltas[-1].attempt > 1]
+    together = max(sum(1 for a, b in spans if a <= start <= b) for start, _ in spans)
+    assert together >= len(spans) // 2, f"retried streams ran {together} at a time"
     print(f"\nworker SIGKILL: 16/16 streams completed whole and greedy across the boundary, {retried} continued "
-          f"as attempt 2; first token after the kill in {recovered_s:.2f} s")
+          f"as attempt 2, up to {together} at a time; first token after the kill in {recovered_s:.2f} s")
     assert wait_until(lambda: models_loaded(server), timeout=120)
 
 
-def test_a_poison_request_is_quarantined_after_two_crashes_while_other_traffic_completes(server):
+def test_a_poison_request_is_named_by_a_crash_while_alone_and_quarantined_while_other_traffic_completes(server):
     assert wait_until(lambda: models_loaded(server), timeout=120)
 
     async def run():

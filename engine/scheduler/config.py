@@ -73,8 +73,13 @@ class SchedulerConfig:
     step_time_prior_s: float = 0.05
     # Prefill cost per prompt token assumed before measurements (seconds).
     prefill_per_token_prior_s: float = 0.0
-    # A request running on a worker each time it crashed this many times is quarantined.
-    quarantine_after_crashes: int = 2
+    # Crashes of a worker a request was running on before it is isolated (runs alone, so that a
+    # next crash names it). One crash alone blames no one: its innocent neighbours, and new work,
+    # keep running together.
+    isolate_after_crashes: int = 2
+    # A request is quarantined when a worker dies while it runs alone (isolated), or after this
+    # many crashes in all.
+    quarantine_after_crashes: int = 3
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     default_tenant: TenantConfig = field(default_factory=TenantConfig)
     # Seconds of history used to estimate drain rate for retry hints.
@@ -98,8 +103,11 @@ class SchedulerConfig:
             raise ValueError(f"itl_target_share must be in (0, 1], got {self.itl_target_share}")
         if self.min_bulk_decode < 0:
             raise ValueError(f"min_bulk_decode must be >= 0, got {self.min_bulk_decode}")
-        if self.quarantine_after_crashes < 1:
-            raise ValueError("quarantine_after_crashes must be >= 1")
+        if self.isolate_after_crashes < 1:
+            raise ValueError(f"isolate_after_crashes must be >= 1, got {self.isolate_after_crashes}")
+        if self.quarantine_after_crashes < self.isolate_after_crashes:
+            raise ValueError(f"quarantine_after_crashes ({self.quarantine_after_crashes}) must be >= "
+                             f"isolate_after_crashes ({self.isolate_after_crashes})")
 
     def for_class(self, cls: TrafficClass) -> ClassConfig:
         return self.interactive if cls == TrafficClass.INTERACTIVE else self.bulk

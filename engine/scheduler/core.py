@@ -62,7 +62,8 @@ class Scheduler(AdmissionControl):
         old = self.workers.get(spec.worker_id)
         if old is not None:  # a restarted worker keeps what was learnt of its speed
             est = old.estimator
-        self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est)
+        self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est,
+                                                  isolate_after_crashes=self.config.isolate_after_crashes)
         model = self._model(spec.model)
         if spec.worker_id not in model.workers:
             model.workers.append(spec.worker_id)
@@ -77,14 +78,17 @@ class Scheduler(AdmissionControl):
         model.workers.remove(worker_id)
         now = self.clock()
         actions: list[Action] = []
+        alone = len(w.running) == 1
         for e in list(w.running.values()):
+            was_isolated = self._isolated(e)
             e.crashes += 1
             e.worker_id, e.blocks = None, 0
             cls_cfg = self.config.for_class(e.cls)
-            if e.crashes >= self.config.quarantine_after_crashes:
+            if (was_isolated and alone) or e.crashes >= self.config.quarantine_after_crashes:
                 transition(e, Status.FAILED)
                 self.counters.quarantined += 1
-                actions.append(Fail(e.key, f"quarantined: a worker died {e.crashes} times while running it", True))
+                why = "while it ran alone" if was_isolated and alone else "while running it"
+                actions.append(Fail(e.key, f"quarantined: a worker died {e.crashes} times {why}", True))
             elif e.attempt >= cls_cfg.max_attempts:
                 transition(e, Status.FAILED)
                 actions.append(Fail(e.key, f"worker died and all {cls_cfg.max_attempts} attempts are spent"))
@@ -239,7 +243,7 @@ class Scheduler(AdmissionControl):
                     budgets[wid].try_admit(e)
                     self._dequeue(e, admitted=True)
                     admitted[wid].append(self._admit(e, w, now))
-                    open_[wid] = not e.crashes
+                    open_[wid] = not self._isolated(e)
                     progress = True
         for wid in workers:
             if admitted[wid]:
@@ -272,10 +276,14 @@ class Scheduler(AdmissionControl):
             w.plan = plan
         return actions
 
+    def _isolated(self, e: Entry) -> bool:
+        """A suspect: running when workers died often enough that it must run alone."""
+        return e.crashes >= self.config.isolate_after_crashes
+
     def _can_take(self, e: Entry, w: WorkerView, budget: StepBudget, model: ModelState, admitted: list[Admission],
                   now: float) -> bool:
         """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?"""
-        if e.crashes and (w.running or admitted):
+        if self._isolated(e) and (w.running or admitted):
             return False  # a suspect waits for an idle worker
         reserve = self._bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else 0
         if budget.slots - 1 < reserve or not budget.fits(e):

@@ -24,10 +24,11 @@ class WorkerView:
     pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
     last_report_at: float = 0.0  # when its last step ended (the next one began)
     plan: StepPlan = field(default_factory=StepPlan)  # the step plan last sent to it
+    isolate_after_crashes: int = 2  # SchedulerConfig's: a suspect this often crashed runs alone
 
     def accepting(self) -> bool:
-        # A suspect (running when some worker died) runs alone, so a second crash names it.
-        if any(e.crashes for e in self.running.values()):
+        # An isolated suspect runs alone, so that a crash names it.
+        if any(e.crashes >= self.isolate_after_crashes for e in self.running.values()):
             return False
         return self.spec.continuous or not self.running
 
