@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tokenline.engine.config import WorkerConfig
-from tokenline.engine.types import StepReport, WorkerSpec, WorkItem
+from tokenline.engine.types import StepPlan, StepReport, WorkerSpec, WorkItem
 
 
 class Backend(Protocol):
@@ -24,6 +24,10 @@ class Backend(Protocol):
 
     def abort(self, keys: tuple[str, ...]) -> None:
         """Drop the named items, freeing their KV blocks now; unknown keys are ignored."""
+        ...
+
+    def set_plan(self, plan: StepPlan) -> None:
+        """Compose coming steps by `plan` while interactive sequences are in the engine (engine/types.py)."""
         ...
 
     def has_work(self) -> bool:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenline.engine.config import WorkerConfig
-from tokenline.engine.types import FinishReason, SeqOutput, StepReport, WorkerSpec, WorkItem
+from tokenline.engine.types import FinishReason, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
 _DEFAULT_VOCAB = 32000
 _DEFAULT_KV_BYTES_PER_TOKEN = 16 * 1024
@@ -93,6 +93,8 @@ class SimBackend:
         self._order = itertools.count()
         self._aborted: list[str] = []
         self._rejected: dict[str, str] = {}
+        self.plan = StepPlan()
+        self._paused = 0  # bulk sequences the plan held back in the last step
 
     def spec(self) -> WorkerSpec:
         return WorkerSpec(
@@ -131,6 +133,9 @@ class SimBackend:
                 self._free(seq)
                 self._aborted.append(seq.item.key)
 
+    def set_plan(self, plan: StepPlan) -> None:
+        self.plan = plan
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborted or self._rejected)
 
@@ -166,6 +171,7 @@ class SimBackend:
             first_scheduled=first,
             aborted=self._aborted,
             rejected=self._rejected,
+            paused=self._paused,
         )
         self._aborted, self._rejected = [], {}
         return report
@@ -175,7 +181,9 @@ class SimBackend:
         batch: list[_Seq] = []
         prefill: dict[str, int] = {}
         budget = self.config.prefill_token_budget
-        for seq in sorted(self.running, key=lambda s: s.urgency):
+        running = sorted(self.running, key=lambda s: s.urgency)
+        running, budget = self._compose(running, budget)
+        for seq in running:
             if seq not in self.running:  # preempted for a more urgent one in this loop
                 continue
             chunk = min(seq.tokens - seq.computed, budget)
@@ -203,6 +211,23 @@ class SimBackend:
             prefill[seq.item.key] = chunk
             budget -= chunk
         return batch, prefill
+
+    def _compose(self, running: list[_Seq], budget: int) -> tuple[list[_Seq], int]:
+        """The step plan, carried out as the vLLM worker does: while an interactive sequence is in,
+        only the first `bulk_decode` bulk sequences run (the rest pause, keeping their KV) and the
+        step computes at most `prefill_tokens` prompt tokens besides one token per sequence."""
+        self._paused = 0
+        plan = self.plan
+        if not plan.limits or not any(s.item.priority == 0 for s in itertools.chain(running, self.waiting)):
+            return running, budget
+        if plan.bulk_decode is not None:
+            bulk = [s for s in running if s.item.priority != 0]
+            paused = set(bulk[plan.bulk_decode:])
+            running = [s for s in running if s not in paused]
+            self._paused = len(paused)
+        if plan.prefill_tokens is not None:
+            budget = min(budget, len(running) + plan.prefill_tokens)
+        return running, budget
 
     def _schedule_fixed(self) -> tuple[list[_Seq], dict[str, int]]:
         """A new batch only when the last one is done: whole prompts at once, KV reserved to the end."""

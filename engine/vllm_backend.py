@@ -24,7 +24,7 @@ from tokenline.engine import selfcheck
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter
 from tokenline.engine.kernels import choose_attention_kernel
-from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepReport, WorkerSpec, WorkItem
+from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,9 @@ class VllmBackend:
             self._forget(key)
         self._aborted.extend(live)
 
+    def set_plan(self, plan: StepPlan) -> None:
+        self.view.plan = plan
+
     def has_work(self) -> bool:
         return bool(self._internal_id or self._aborted or self._rejected)
 
@@ -164,6 +167,7 @@ class VllmBackend:
             first_scheduled=first_scheduled,
             aborted=self._aborted,
             rejected=self._rejected,
+            paused=scheduled.paused if scheduled is not None else 0,
         )
         self._aborted, self._rejected = [], {}
         return report
@@ -341,6 +345,7 @@ class _Scheduled:
     batch_size: int
     prefill_tokens: int
     new_request_ids: list[str] = field(default_factory=list)
+    paused: int = 0  # running bulk sequences the step plan held back
 
 
 class _SchedulerView:
@@ -349,11 +354,20 @@ class _SchedulerView:
     It records each SchedulerOutput by wrapping `scheduler.schedule`, and reads
     free blocks and queue lengths from the scheduler. Without those internals
     it falls back to what the public API gives, and says so once in the log.
+
+    It also carries out the step plan (engine/types.py StepPlan): while an interactive request
+    (priority 0) is running or waiting, `schedule` sees a running list of the interactive requests
+    and only the first `bulk_decode` bulk ones, and a token budget of one per such request plus
+    `prefill_tokens`. The bulk requests left out are put back at the end of the running list
+    afterwards, unscheduled for that step with their KV blocks kept, as vLLM leaves any running
+    request its token budget did not reach. (Lowering the token budget alone would not do: vLLM
+    schedules its running list in the order requests joined it, before any waiting prompt.)
     """
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.scheduled: _Scheduled | None = None
+        self.plan = StepPlan()
         self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks - 1  # block 0 is never handed out
         try:
             self.scheduler = engine.engine_core.engine_core.scheduler
@@ -378,14 +392,41 @@ class _SchedulerView:
         schedule = scheduler.schedule
 
         def recording_schedule(*args: Any, **kwargs: Any) -> Any:
-            out = schedule(*args, **kwargs)
+            paused, budget = self._hold_back(scheduler)
+            try:
+                out = schedule(*args, **kwargs)
+            finally:
+                if paused:
+                    scheduler.running = scheduler.running + paused
+                scheduler.max_num_scheduled_tokens = budget
             try:
                 self.scheduled = _summarise(scheduler, out)
+                self.scheduled.paused = len(paused)
             except Exception:  # never let bookkeeping break a step
                 log.exception("could not read the scheduler's output")
             return out
 
         scheduler.schedule = recording_schedule
+
+
+    def _hold_back(self, scheduler: Any) -> tuple[list[Any], int]:
+        """Apply the plan to this step: (the bulk requests taken out of the running list, the token budget to restore)."""
+        budget = scheduler.max_num_scheduled_tokens
+        plan = self.plan
+        if not plan.limits:
+            return [], budget
+        running = scheduler.running
+        if not any(r.priority == 0 for r in running) and not any(r.priority == 0 for r in scheduler.waiting):
+            return [], budget  # no interactive request: bulk gets the whole machine
+        interactive = [r for r in running if r.priority == 0]
+        bulk = [r for r in running if r.priority != 0]
+        keep = len(bulk) if plan.bulk_decode is None else plan.bulk_decode
+        paused = bulk[keep:]
+        if paused:
+            scheduler.running = interactive + bulk[:keep]
+        if plan.prefill_tokens is not None:
+            scheduler.max_num_scheduled_tokens = min(budget, len(scheduler.running) + plan.prefill_tokens)
+        return paused, budget
 
 
 def _summarise(scheduler: Any, out: Any) -> _Scheduled:

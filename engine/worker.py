@@ -26,7 +26,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from tokenline.engine.config import WorkerConfig
-from tokenline.engine.types import Abort, Admit, Shutdown, StepReport, WorkerFailed
+from tokenline.engine.types import Abort, Admit, Shutdown, StepPlan, StepReport, WorkerFailed
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,8 @@ class StepLoop:
             self.applied_seq = max(self.applied_seq, msg.seq)
         elif isinstance(msg, Abort):
             self.backend.abort(msg.keys)
+        elif isinstance(msg, StepPlan):
+            self.backend.set_plan(msg)
         elif isinstance(msg, Shutdown):
             self.stopping = True
         else:

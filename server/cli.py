@@ -52,6 +52,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bulk-window-ms", type=float, default=20.0, help="admission window, bulk (default %(default)s)")
     p.add_argument("--queue-requests", type=int, default=1024, help="queued requests per class (default %(default)s)")
     p.add_argument("--queue-tokens", type=int, default=1_000_000, help="queued tokens per class (default %(default)s)")
+    p.add_argument("--interactive-itl-target-ms", type=float, default=0.0,
+                   help="time per output token promised to interactive streams: while one runs, each step of its "
+                        "worker is composed (bulk sequences paused, prompts chunked) to be predicted within it; "
+                        "2-3x the single-sequence step is a sensible value; 0: off (default %(default)s)")
+    p.add_argument("--interactive-ttft-target-ms", type=float, default=0.0,
+                   help="time to first token aimed at for interactive streams (reported; 0: none) (default %(default)s)")
     p.add_argument("--bulk-floor", type=float, default=0.1, help="share of slots kept for waiting bulk (default %(default)s)")
     p.add_argument("--max-attempts", type=int, default=3, help="attempts per request across worker crashes")
     p.add_argument("--step-watchdog-s", type=float, default=5.0,
@@ -104,7 +110,9 @@ def run_serve(args: argparse.Namespace) -> int:
             attention_kernel=args.attention_kernel, self_check=args.self_check,
         )
         sched = SchedulerConfig(
-            interactive=ClassConfig(args.interactive_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),
+            interactive=ClassConfig(args.interactive_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts,
+                                    ttft_target_s=args.interactive_ttft_target_ms / 1000 or None,
+                                    itl_target_s=args.interactive_itl_target_ms / 1000 or None),
             bulk=ClassConfig(args.bulk_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),
             bulk_floor=args.bulk_floor,
         )

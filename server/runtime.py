@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StopRun
+from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StopRun
 from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, Shutdown, StepReport, TrafficClass, WorkerFailed, WorkerSpec, WorkItem
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
@@ -399,6 +399,8 @@ class Runtime:
         for a in actions:
             if isinstance(a, Dispatch):
                 self._dispatch(a, now)
+            elif isinstance(a, Compose):
+                self._send(a.worker_id, a.plan)
             elif isinstance(a, Refuse):
                 st = self.requests.get(a.key)
                 if st is not None:

@@ -1,0 +1,31 @@
+"""bench compare's arithmetic: throughput over the box's best engine and over one worker's engine."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from tokenline.bench.compare import format_comparison, ratios
+
+
+def outcome(tok_s: float, ttft: float = 100.0, itl: float = 10.0):
+    return SimpleNamespace(results={"output_throughput": tok_s, "median_ttft_ms": ttft, "p99_ttft_ms": ttft,
+                                    "median_itl_ms": itl, "p99_itl_ms": itl, "classes": {}})
+
+
+def test_both_ratios_are_reported():
+    runs = {"tokenline/saturation": outcome(570.0), "vllm/saturation": outcome(380.0),
+            "tokenline/c1": outcome(90.0, 110.0, 12.0), "vllm/c1": outcome(80.0, 120.0, 13.0)}
+    ceiling = {"throughput": {"output_throughput": 300.0}, "sequential": {"median_ttft_ms": 100.0, "median_itl_ms": 10.0}}
+    best = {"config": "2 engines × 1 thread", "output_throughput": 600.0, "configs": {"2 engines × 1 thread": 600.0}}
+    r = ratios(ceiling, runs, best)
+    assert r["tokenline_throughput_over_box_best"] == pytest.approx(0.95)
+    assert r["tokenline_throughput_over_ceiling"] == pytest.approx(1.9)
+    assert r["tokenline_over_vllm"]["saturation"]["output_throughput"] == pytest.approx(1.5)
+    text = format_comparison({"runs": {k: v.results for k, v in runs.items()}, "ceiling": ceiling, "ratios": r,
+                              "box_best": best, "plan": "2 workers × 1 thread"})
+    assert "the box's best engine: 2 engines × 1 thread, 600 output tok/s" in text
+    assert "tokenline: served throughput ÷ the box's best engine 0.95" in text
+
+
+def test_without_the_best_engine_run_there_is_no_such_ratio():
+    assert "tokenline_throughput_over_box_best" not in ratios(None, {"tokenline/saturation": outcome(1.0)})
