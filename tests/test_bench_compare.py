@@ -9,7 +9,8 @@ from tokenline.bench.compare import format_comparison, ratios
 
 def outcome(tok_s: float, ttft: float = 100.0, itl: float = 10.0):
     return SimpleNamespace(results={"output_throughput": tok_s, "median_ttft_ms": ttft, "p99_ttft_ms": ttft,
-                                    "median_itl_ms": itl, "p99_itl_ms": itl, "classes": {}})
+                                    "median_itl_ms": itl, "p99_itl_ms": itl, "classes": {},
+                                    "send_lag_ms": {"p99": 1.0}})
 
 
 def test_both_ratios_are_reported():
