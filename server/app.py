@@ -54,6 +54,7 @@ class ServeConfig:
     # A worker with work in flight that reports no step for this long (or 10x its longest recent
     # step, if more) is declared lost and killed; 0 turns the watchdog off.
     step_watchdog_s: float = 5.0
+    step_log: str | None = None  # a JSON-lines file with one line per worker step (server/steplog.py)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -97,6 +98,10 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     watchdog = StepWatchdog(config.step_watchdog_s) if config.step_watchdog_s > 0 else None
     runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers,
                       watchdog=watchdog)
+    if config.step_log:
+        from tokenline.server.steplog import StepLog
+
+        runtime.on_step.append(StepLog(config.step_log, runtime.scheduler))
     telemetry = telemetry or Telemetry(config.telemetry)
     telemetry.watch(runtime, default_model)
     try:

@@ -56,8 +56,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="time per output token promised to interactive streams: while one runs, each step of its "
                         "worker is composed (bulk sequences paused, prompts chunked) to be predicted within it; "
                         "2-3x the single-sequence step is a sensible value; 0: off (default %(default)s)")
+    p.add_argument("--interactive-itl-target-steps", type=float, default=0.0,
+                   help="the same target as a multiple of the worker's single-sequence step as it measures it, "
+                        "e.g. 2.5 (used when --interactive-itl-target-ms is 0; 0: off) (default %(default)s)")
     p.add_argument("--interactive-ttft-target-ms", type=float, default=0.0,
                    help="time to first token aimed at for interactive streams (reported; 0: none) (default %(default)s)")
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="append one JSON line per worker step (batch, paused, prefill, step time) to FILE, for plots")
     p.add_argument("--bulk-floor", type=float, default=0.1, help="share of slots kept for waiting bulk (default %(default)s)")
     p.add_argument("--max-attempts", type=int, default=3, help="attempts per request across worker crashes")
     p.add_argument("--step-watchdog-s", type=float, default=5.0,
@@ -112,7 +117,8 @@ def run_serve(args: argparse.Namespace) -> int:
         sched = SchedulerConfig(
             interactive=ClassConfig(args.interactive_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts,
                                     ttft_target_s=args.interactive_ttft_target_ms / 1000 or None,
-                                    itl_target_s=args.interactive_itl_target_ms / 1000 or None),
+                                    itl_target_s=args.interactive_itl_target_ms / 1000 or None,
+                                    itl_target_steps=args.interactive_itl_target_steps or None),
             bulk=ClassConfig(args.bulk_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),
             bulk_floor=args.bulk_floor,
         )
@@ -121,6 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
+                             step_log=args.step_log,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:

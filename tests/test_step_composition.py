@@ -96,3 +96,13 @@ def test_the_rule_fills_the_step_interactive_first_then_bulk_then_prompts():
     assert compose_step(WorkerLoad(2, 0, 40), est, None) == NO_LIMIT
     # a target too tight for even one bulk sequence still lets one decode
     assert compose_step(WorkerLoad(2, 0, 40), est, SOLO_STEP_S, min_bulk=1).bulk_decode == 1
+
+
+def test_a_target_in_single_steps_follows_the_step_time_the_worker_measures():
+    config = SchedulerConfig(interactive=ClassConfig(itl_target_steps=2.5), bulk_floor=0.0)
+    spec = worker_spec(0, max_seqs=48, continuous=True, prefill_token_budget=4096)
+    sim = Simulation(config, [(spec, linear_cost(BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S))])
+    sim.run(_flood())
+    with_interactive = [s for s in sim.workers[0].step_log[WARM_UP_STEPS:] if s.interactive]
+    assert with_interactive and max(s.duration for s in with_interactive) <= 2.5 * SOLO_STEP_S * 1.05
+    assert any(s.paused for s in with_interactive)

@@ -20,8 +20,18 @@ class ClassConfig:
     # target is what the bench measures attainment against.
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
+    # The ITL target as a multiple of the worker's own single-sequence step, as it measures it
+    # (used when itl_target_s is None): a target that follows the machine.
+    itl_target_steps: float | None = None
+
+    def itl_target_for(self, single_step_s: float) -> float | None:
+        if self.itl_target_s is not None:
+            return self.itl_target_s
+        return self.itl_target_steps * single_step_s if self.itl_target_steps is not None else None
 
     def __post_init__(self) -> None:
+        if self.itl_target_steps is not None and self.itl_target_steps < 1:
+            raise ValueError(f"itl_target_steps must be >= 1 (a step cannot be shorter than a single sequence's), got {self.itl_target_steps}")
         for name in ("ttft_target_s", "itl_target_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -269,7 +269,7 @@ class Scheduler(AdmissionControl):
             load = WorkerLoad(interactive=len(interactive),
                               interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
                               bulk=len(w.running) - len(interactive))
-            plan = compose_step(load, w.estimator, self.config.interactive.itl_target_s,
+            plan = compose_step(load, w.estimator, self.config.interactive.itl_target_for(w.estimator.step_s(1)),
                                 share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode)
             if (plan.bulk_decode, plan.prefill_tokens) != (w.plan.bulk_decode, w.plan.prefill_tokens):
                 actions.append(Compose(wid, plan))

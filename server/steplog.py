@@ -1,0 +1,35 @@
+"""The step log: one JSON line per worker step (`tokenline serve --step-log FILE`), for the bench's step plots.
+
+Each line: t (monotonic seconds), worker, batch (sequences in the step), paused (bulk sequences the
+step plan held back), prefill (prompt tokens computed), step_ms, interactive (interactive requests
+running on that worker), plan_bulk (the plan's bulk decode limit; null: none). Lines are small and
+line-buffered: a write per step costs microseconds, no fsync.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenline.engine.types import StepReport, TrafficClass
+
+
+class StepLog:
+    def __init__(self, path: str, scheduler: Any):
+        self._file = Path(path).open("a", buffering=1)
+        self._scheduler = scheduler
+
+    def __call__(self, report: StepReport) -> None:
+        w = self._scheduler.workers.get(report.worker_id)
+        interactive = sum(e.cls == TrafficClass.INTERACTIVE for e in w.running.values()) if w else 0
+        plan_bulk = w.plan.bulk_decode if w else None
+        self._file.write(json.dumps({
+            "t": round(time.monotonic(), 6), "worker": report.worker_id, "batch": report.batch_size,
+            "paused": report.paused, "prefill": report.prefill_tokens, "step_ms": round(report.step_s * 1000, 3),
+            "interactive": interactive, "plan_bulk": plan_bulk,
+        }) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
