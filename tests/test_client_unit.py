@@ -444,3 +444,19 @@ def test_the_json_result_holds_the_whole_text_and_the_timeline():
     assert result["client"]["ttft_ms"] == 100.0
     assert result["timeline"]["first_token_ms"] is None
     json.dumps(result)
+
+
+def test_generate_ends_an_answer_cut_at_max_tokens_before_the_summary_line(sim_server):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tokenline.server.cli", "generate", "--target", sim_server.address,
+           "--max-tokens", "5", "tell me about the heart of the city"]
+    apart = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    together = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+
+    assert apart.returncode == 0 and together.returncode == 0, apart.stderr
+    assert apart.stdout.endswith("\n")  # the answer's line is ended, though the answer was cut short
+    assert apart.stderr.startswith("ttft ")
+    assert together.stdout.splitlines()[-1].startswith("ttft ")  # the summary on a line of its own
+    assert "length" in together.stdout.splitlines()[-1]
