@@ -109,6 +109,18 @@ class Verdict:
     def mean_logprob_error(self) -> float:
         return sum(self.errors) / len(self.errors) if self.errors else 0.0
 
+    def within(self, error: float, limit: float, what: str) -> bool:
+        """Record one position's |error|; False (and the failure, with `what`) when over `limit`."""
+        self.positions_compared += 1
+        self.errors.append(error)
+        if error > limit:
+            self.fail(f"{what} (|error| {error:.2f} > {limit})")
+        return error <= limit
+
+    def fail(self, line: str) -> None:
+        self.ok = False
+        self.failures.append(line)
+
     def summary(self) -> str:
         head = "passed" if self.ok else "FAILED"
         text = (f"{head}: {self.positions_compared} positions compared, |logprob error| "
@@ -136,49 +148,36 @@ def compare(reference: Reference, observed: dict[str, Observed], *, logprob_nats
     for probe in reference.probes:
         seen = observed.get(probe.name)
         if seen is None or not seen.decoded or len(seen.forced) < len(probe.positions):
-            verdict.ok = False
-            verdict.failures.append(f"{probe.name}: the engine produced no output for the probe")
+            verdict.fail(f"{probe.name}: the engine produced no output for the probe")
             continue
         _compare_forced(probe, seen.forced, verdict, logprob_nats)
         _compare_decoded(probe, seen.decoded, verdict, logprob_nats, tie_nats)
     if verdict.mean_logprob_error > mean_logprob_nats:
-        verdict.ok = False
-        verdict.failures.append(f"mean |logprob error| {verdict.mean_logprob_error:.3f} > {mean_logprob_nats}")
+        verdict.fail(f"mean |logprob error| {verdict.mean_logprob_error:.3f} > {mean_logprob_nats}")
     return verdict
 
 
 def _compare_forced(probe: Probe, forced: Sequence[float], verdict: Verdict, logprob_nats: float) -> None:
     for i, (ref, lp) in enumerate(zip(probe.positions, forced)):
-        verdict.positions_compared += 1
-        error = abs(lp - ref.logprob)
-        verdict.errors.append(error)
-        if error > logprob_nats:
-            verdict.ok = False
-            verdict.failures.append(
-                f"{probe.name} reading token {i} ({ref.token}): engine log-probability {lp:.2f}, "
-                f"reference {ref.logprob:.2f} (|error| {error:.2f} > {logprob_nats})")
+        if not verdict.within(abs(lp - ref.logprob), logprob_nats,
+                              f"{probe.name} reading token {i} ({ref.token}): engine log-probability {lp:.2f}, "
+                              f"reference {ref.logprob:.2f}"):
             return
 
 
 def _compare_decoded(probe: Probe, got: Sequence[Position], verdict: Verdict, logprob_nats: float,
                      tie_nats: float) -> None:
     for i, (ref, eng) in enumerate(zip(probe.positions, got)):
-        verdict.positions_compared += 1
         ref_lp = ref.logprob_of(eng.token)
         if ref_lp is None or ref_lp < ref.logprob - tie_nats:
             shown = f"{ref_lp:.2f}" if ref_lp is not None else f"< {ref.floor:.2f}"
-            verdict.ok = False
-            verdict.failures.append(
-                f"{probe.name} token {i}: engine chose {eng.token}, which the reference scores {shown} "
-                f"against {ref.logprob:.2f} for its choice {ref.token}")
+            verdict.positions_compared += 1
+            verdict.fail(f"{probe.name} token {i}: engine chose {eng.token}, which the reference scores {shown} "
+                         f"against {ref.logprob:.2f} for its choice {ref.token}")
             return
-        error = abs(eng.logprob - ref_lp)
-        verdict.errors.append(error)
-        if error > logprob_nats:
-            verdict.ok = False
-            verdict.failures.append(
-                f"{probe.name} token {i}: engine log-probability {eng.logprob:.2f} for token {eng.token}, "
-                f"reference {ref_lp:.2f} (|error| {error:.2f} > {logprob_nats})")
+        if not verdict.within(abs(eng.logprob - ref_lp), logprob_nats,
+                              f"{probe.name} token {i}: engine log-probability {eng.logprob:.2f} for token "
+                              f"{eng.token}, reference {ref_lp:.2f}"):
             return
         if eng.token != ref.token:
             return  # a legitimate near-tie: the sequences differ from here on
