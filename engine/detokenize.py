@@ -55,3 +55,38 @@ class DecodeStreamPrimedAtACharacter:
         if cls._native is None:
             cls._native = tokenizers.decoders.DecodeStream
             tokenizers.decoders.DecodeStream = cls
+
+
+def delivered_text(prompt_ids: list[int], delivered_ids: list[int], tokenizer: Any, skip_special_tokens: bool = True) -> str:
+    """The text vLLM made of `delivered_ids` when it generated them after `prompt_ids` (same priming, same steps)."""
+    stream = DecodeStreamPrimedAtACharacter(ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+    return "".join(stream.step(tokenizer, t) or "" for t in delivered_ids)
+
+
+class StopAcrossAttempts:
+    """Stop strings for a continuation whose text starts with text the earlier attempts held back.
+
+    While a stop string could still begin in the last characters of the text, vLLM holds them back;
+    when the run is interrupted there, they belong to tokens already delivered. The continuation's
+    engine request knows nothing of them, so the backend checks the stop strings itself: `held`
+    first, then each step's new text, shown as soon as no stop string can begin in it. The result
+    is the uninterrupted rule: the text of the tokens, cut before the stop string that completes
+    first (ties: the first listed), as vLLM's check_stop_strings picks.
+    """
+
+    def __init__(self, held: str, stops: tuple[str, ...]):
+        self.pending = held
+        self.stops = stops
+        self.keep = max((len(s) for s in stops), default=1) - 1
+
+    def feed(self, text: str, *, finished: bool) -> tuple[str, bool]:
+        """(text to show now, whether a stop string ended the sequence)."""
+        self.pending += text
+        hits = [(i + len(s), n, i) for n, s in enumerate(self.stops) if (i := self.pending.find(s)) >= 0]
+        if hits:
+            _, _, start = min(hits)
+            shown, self.pending = self.pending[:start], ""
+            return shown, True
+        cut = len(self.pending) if finished else max(len(self.pending) - self.keep, 0)
+        shown, self.pending = self.pending[:cut], self.pending[cut:]
+        return shown, False

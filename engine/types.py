@@ -54,6 +54,11 @@ class WorkItem:
     sampling: Sampling
     priority: int = 0  # lower runs first (vLLM priority scheduling)
     fault_marker: bool = False  # set only when fault injection is on
+    # A continuation: the last `delivered_tokens` of the prompt are this request's own output from
+    # earlier attempts, of whose text the caller has been shown the first `shown_chars` characters.
+    # The rest (held back while it could begin a stop string) comes first in this attempt's text.
+    delivered_tokens: int = 0
+    shown_chars: int = 0
 
 
 @dataclass(frozen=True)

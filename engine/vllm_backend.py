@@ -16,13 +16,13 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tokenline.engine import selfcheck
 from tokenline.engine.config import WorkerConfig
-from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter
+from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter, StopAcrossAttempts, delivered_text
 from tokenline.engine.kernels import choose_attention_kernel
 from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
@@ -55,6 +55,7 @@ class VllmBackend:
         self._seen_scheduled: set[str] = set()
         self._aborted: list[str] = []  # applied since the last report
         self._rejected: dict[str, str] = {}
+        self._stops: dict[str, StopAcrossAttempts] = {}  # continuations whose stop strings this backend checks
 
     def spec(self) -> WorkerSpec:
         engine, config = self.engine, self.config
@@ -105,18 +106,33 @@ class VllmBackend:
         return summary
 
     def add(self, item: WorkItem) -> None:
+        sampling = item.sampling
         try:
+            if item.delivered_tokens and sampling.stop:
+                # The text held back at the interruption comes first, and a stop string may span it
+                # and the new text, which vLLM would not see: the stop strings are checked here.
+                self._stops[item.key] = StopAcrossAttempts(self._held_text(item), sampling.stop)
+                sampling = replace(sampling, stop=())
             internal = self.engine.add_request(
                 item.key,
                 {"prompt_token_ids": list(item.prompt_token_ids)},
-                sampling_params(item.sampling),
+                sampling_params(sampling),
                 priority=item.priority,
             )
         except Exception as e:  # one bad item must not take the replica down with it
+            self._stops.pop(item.key, None)
             self._rejected[item.key] = _first_line(e)
             return
         self._internal_id[item.key] = internal
         self._key_of[internal] = item.key
+
+    def _held_text(self, item: WorkItem) -> str:
+        """What the caller has not been shown of the delivered tokens' text."""
+        ids = list(item.prompt_token_ids)
+        cut = len(ids) - item.delivered_tokens
+        tokenizer = self.engine.get_tokenizer()
+        text = delivered_text(ids[:cut], ids[cut:], getattr(tokenizer, "_tokenizer", tokenizer))
+        return text[item.shown_chars:]
 
     def abort(self, keys: tuple[str, ...]) -> None:
         live = [k for k in keys if k in self._internal_id]
@@ -187,6 +203,9 @@ class VllmBackend:
             return None
         if completion is None or (not completion.token_ids and not ro.finished):
             return None
+        stops = self._stops.get(key)
+        if stops is not None:
+            return self._continued_output(ro, completion, stops)
         return SeqOutput(
             key=key,
             new_token_ids=list(completion.token_ids),
@@ -196,7 +215,25 @@ class VllmBackend:
             prompt_tokens=len(ro.prompt_token_ids or ()),
         )
 
+    def _continued_output(self, ro: Any, completion: Any, stops: StopAcrossAttempts) -> SeqOutput:
+        text, stopped = stops.feed(completion.text, finished=ro.finished)
+        if stopped and not ro.finished:
+            self.engine.abort_request([ro.request_id])  # its output is final; frees its KV now
+        if stopped:
+            reason: FinishReason | None = FinishReason.STOP_STRING
+        else:
+            reason = finish_reason(completion.finish_reason, completion.stop_reason) if ro.finished else None
+        return SeqOutput(
+            key=ro.request_id,
+            new_token_ids=list(completion.token_ids),
+            text=text,
+            finished=ro.finished or stopped,
+            finish_reason=reason,
+            prompt_tokens=len(ro.prompt_token_ids or ()),
+        )
+
     def _forget(self, key: str) -> None:
+        self._stops.pop(key, None)
         internal = self._internal_id.pop(key, None)
         self._key_of.pop(internal, None)
         self._seen_scheduled.discard(key)

@@ -467,7 +467,9 @@ class Runtime:
             # A continuation re-reads what was already produced and owes only the rest.
             sampling = replace(st.sampling, max_tokens=st.sampling.max_tokens - len(st.token_ids)) if st.token_ids else st.sampling
             prompt = tuple(st.prompt_ids) + tuple(st.token_ids)
-            items.append(WorkItem(adm.run_key, prompt, sampling, priority=0 if st.cls == TrafficClass.INTERACTIVE else 1, fault_marker=st.fault_marker))
+            items.append(WorkItem(adm.run_key, prompt, sampling, priority=0 if st.cls == TrafficClass.INTERACTIVE else 1,
+                                  fault_marker=st.fault_marker, delivered_tokens=len(st.token_ids),
+                                  shown_chars=sum(map(len, st.text))))
         self._send(d.worker_id, Admit(d.seq, tuple(items)))
 
     def _send(self, wid: int | None, msg: object) -> None:

@@ -63,3 +63,34 @@ def _byte_level(data: bytes) -> list[str]:
         if b not in spelled:
             spelled[b], extra = chr(256 + extra), extra + 1
     return [spelled[b] for b in data]
+
+
+def test_a_continuation_shows_the_held_text_and_stops_where_one_uninterrupted_stream_would():
+    """Whatever the split: held text + new text in any chunks give the text cut before the first stop string."""
+    from tokenline.engine.detokenize import StopAcrossAttempts
+
+    rng = random.Random(11)
+    for _ in range(2000):
+        text = "".join(rng.choice("abc ") for _ in range(rng.randrange(1, 30)))
+        stops = tuple({"".join(rng.choice("abc") for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(1, 3))})
+        expected = _cut_at_first_stop(text, stops)
+        split = rng.randrange(0, len(text) + 1)
+        if _cut_at_first_stop(text[:split], stops) != text[:split]:
+            continue  # the first attempt would have stopped: no continuation
+        shown = max(split - (max(map(len, stops)) - 1), 0)  # vLLM holds back what could begin a stop string
+        checker = StopAcrossAttempts(text[shown:split], stops)
+        out, rest, stopped = text[:shown], text[split:], False
+        while not stopped:
+            n = rng.randrange(0, 4)
+            piece, rest = rest[:n], rest[n:]
+            new, stopped = checker.feed(piece, finished=not rest)
+            out += new
+            if not rest:
+                break
+        assert out == expected, (text, stops, split, shown)
+        assert stopped == (expected != text)
+
+
+def _cut_at_first_stop(text: str, stops: tuple[str, ...]) -> str:
+    hits = [(i + len(s), n, i) for n, s in enumerate(stops) if (i := text.find(s)) >= 0]
+    return text[: min(hits)[2]] if hits else text
