@@ -53,6 +53,17 @@ defaults (sized from the machine), vllm serve with its own (--vllm-same-settings
 the engine in-process both with one tokenline worker's settings and as the box's best (all cores).
 """
 
+MIXED_EXAMPLES = """examples:
+  tokenline bench mixed --model tiny                       # minutes
+  tokenline bench mixed --itl-target-steps 3 --skip vllm    # the default model, tokenline only
+  tokenline bench mixed --model tiny --bulk-concurrency 32 --interactive-rate 2 --duration-s 30
+
+Bulk alone, interactive alone, then bulk plus interactive, on each server started here. Reports
+interactive attainment of its TTFT and ITL targets, bulk throughput in the mix over bulk alone, and
+the most bulk throughput any schedule could give under the ITL target. Writes mixed.json, mixed.txt,
+<server>/steps.png (per-step batch and step time, interactive arrivals marked) and each run's files.
+"""
+
 SIMULATE_EXAMPLES = """examples:
   tokenline bench simulate --workers 3 4 5 --windows-ms 0 10 20 --rate 1000
 """
@@ -120,6 +131,26 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")
     cmp.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     cmp.add_argument("--out", default=None, help="output folder (default bench-results/compare-<time>)")
+
+    mix = sub.add_parser("mixed", help="interactive within capacity inside a bulk flood: targets kept, bulk kept",
+                         epilog=MIXED_EXAMPLES, formatter_class=_formatter)
+    mix.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
+    mix.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache of the one tokenline worker (default: the machine's plan)")
+    mix.add_argument("--max-seqs", type=int, default=48, help="sequences at once (default %(default)s)")
+    mix.add_argument("--bulk-concurrency", type=int, default=48, help="bulk streams in the closed loop (default %(default)s)")
+    mix.add_argument("--bulk-input-len", type=int, default=256, help="bulk prompt tokens (default %(default)s)")
+    mix.add_argument("--bulk-output-len", type=int, default=256, help="bulk output tokens (default %(default)s)")
+    mix.add_argument("--interactive-rate", type=float, default=1.0, help="interactive arrivals/s, Poisson (default %(default)s)")
+    mix.add_argument("--interactive-input-len", type=int, default=64, help="interactive prompt tokens (default %(default)s)")
+    mix.add_argument("--interactive-output-len", type=int, default=64, help="interactive output tokens (default %(default)s)")
+    mix.add_argument("--duration-s", type=float, default=60.0, help="length of the bulk-alone and mixed runs (default %(default)s)")
+    mix.add_argument("--itl-target-steps", type=float, default=2.5,
+                     help="interactive ITL target in single-sequence steps, for tokenline and the report (default %(default)s)")
+    mix.add_argument("--ttft-target-ms", type=float, default=500.0, help="interactive TTFT target (default %(default)s)")
+    mix.add_argument("--skip", default="", help="'vllm' or 'tokenline': leave that server out")
+    mix.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")
+    mix.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    mix.add_argument("--out", default=None, help="output folder (default bench-results/mixed-<time>)")
 
     sim = sub.add_parser("simulate", help="capacity simulator: the real scheduler in virtual time, fixed-cost batches",
                          epilog=SIMULATE_EXAMPLES, formatter_class=_formatter)

@@ -25,7 +25,7 @@ def dispatch(args: argparse.Namespace) -> int:
     from tokenline.bench.runner import LoadGeneratorBehind
     from tokenline.bench.servers import ServerStartError
 
-    command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "simulate": cmd_simulate,
+    command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "mixed": cmd_mixed, "simulate": cmd_simulate,
                "loadgen": cmd_loadgen}[args.bench_command]
     try:
         return command(args)
@@ -199,6 +199,27 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             print(f"\ncapacity: {result.rate:.3f} requests/s with every class at goodput ≥ {args.attainment:g}{hi}")
         print(f"wrote {folder}/capacity.json" + ("" if args.no_plots else f" and {folder}/capacity.png"))
     return EXIT_OK if result.rate is not None else EXIT_MISSED
+
+
+def cmd_mixed(args: argparse.Namespace) -> int:
+    from tokenline.bench.mixed import MixedSpec, mixed
+    from tokenline.bench.runner import run
+    from tokenline.bench.servers import EngineSettings
+
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - {"vllm", "tokenline"}:
+        raise UsageError(f"--skip takes 'vllm' or 'tokenline', not {args.skip!r}")
+    spec = MixedSpec(settings=EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs),
+                     bulk_concurrency=args.bulk_concurrency, bulk_lengths=(args.bulk_input_len, args.bulk_output_len),
+                     interactive_rate=args.interactive_rate,
+                     interactive_lengths=(args.interactive_input_len, args.interactive_output_len),
+                     duration_s=args.duration_s, itl_target_steps=args.itl_target_steps, ttft_target_ms=args.ttft_target_ms,
+                     servers=tuple(k for k in ("tokenline", "vllm") if k not in skip),
+                     tokenline_engine=args.tokenline_engine, seed=args.seed)
+    folder = out_dir(args, "mixed")
+    run(mixed(spec, folder, log=lambda line: print(line, flush=True)))
+    print(f"\nwrote {folder}/mixed.json, mixed.txt, <server>/steps.png and each run's files")
+    return EXIT_OK
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

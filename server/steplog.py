@@ -1,6 +1,6 @@
 """The step log: one JSON line per worker step (`tokenline serve --step-log FILE`), for the bench's step plots.
 
-Each line: t (monotonic seconds), worker, batch (sequences in the step), paused (bulk sequences the
+Each line: unix (wall-clock seconds), worker, batch (sequences in the step), paused (bulk sequences the
 step plan held back), prefill (prompt tokens computed), step_ms, interactive (interactive requests
 running on that worker), plan_bulk (the plan's bulk decode limit; null: none). Lines are small and
 line-buffered: a write per step costs microseconds, no fsync.
@@ -26,7 +26,7 @@ class StepLog:
         interactive = sum(e.cls == TrafficClass.INTERACTIVE for e in w.running.values()) if w else 0
         plan_bulk = w.plan.bulk_decode if w else None
         self._file.write(json.dumps({
-            "t": round(time.monotonic(), 6), "worker": report.worker_id, "batch": report.batch_size,
+            "unix": round(time.time(), 6), "worker": report.worker_id, "batch": report.batch_size,
             "paused": report.paused, "prefill": report.prefill_tokens, "step_ms": round(report.step_s * 1000, 3),
             "interactive": interactive, "plan_bulk": plan_bulk,
         }) + "\n")

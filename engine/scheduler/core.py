@@ -62,7 +62,8 @@ class Scheduler(AdmissionControl):
         old = self.workers.get(spec.worker_id)
         if old is not None:  # a restarted worker keeps what was learnt of its speed
             est = old.estimator
-        self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est,
+        cadence = old.cadence if old is not None else StepEstimator(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)
+        self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est, cadence=cadence,
                                                   isolate_after_crashes=self.config.isolate_after_crashes)
         model = self._model(spec.model)
         if spec.worker_id not in model.workers:
@@ -142,6 +143,11 @@ class Scheduler(AdmissionControl):
             return []
         now = self.clock()
         w.applied_seq = max(w.applied_seq, report.applied_seq)
+        if w.running and w.last_report_at and report.batch_size:  # busy since its last report: one whole step period
+            period = max(now - w.last_report_at, report.step_s)
+            w.cadence.observe(report.batch_size, report.prefill_tokens, period)
+            if report.batch_size == 1 and not report.prefill_tokens:
+                w.single_step_s = period if w.single_step_s is None else 0.9 * w.single_step_s + 0.1 * period
         w.last_report_at = now
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
@@ -269,7 +275,8 @@ class Scheduler(AdmissionControl):
             load = WorkerLoad(interactive=len(interactive),
                               interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
                               bulk=len(w.running) - len(interactive))
-            plan = compose_step(load, w.estimator, self.config.interactive.itl_target_for(w.estimator.step_s(1)),
+            single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
+            plan = compose_step(load, w.cadence, self.config.interactive.itl_target_for(single),
                                 share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode)
             if (plan.bulk_decode, plan.prefill_tokens) != (w.plan.bulk_decode, w.plan.prefill_tokens):
                 actions.append(Compose(wid, plan))

@@ -24,6 +24,10 @@ class WorkerView:
     pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
     last_report_at: float = 0.0  # when its last step ended (the next one began)
     plan: StepPlan = field(default_factory=StepPlan)  # the step plan last sent to it
+    # Its step period as its streams see it (report to report while busy: the engine step plus the
+    # loop, the pipe and the frontend's share of the cores): what step composition plans by.
+    cadence: StepEstimator = field(default_factory=lambda: StepEstimator(0.05))
+    single_step_s: float | None = None  # its measured period with one sequence decoding (a moving average)
     isolate_after_crashes: int = 2  # SchedulerConfig's: a suspect this often crashed runs alone
 
     def accepting(self) -> bool:

@@ -1,0 +1,238 @@
+"""`bench mixed`: interactive streams inside a bulk flood: do they keep their targets, and what does bulk keep?
+
+Each server (tokenline, then `vllm serve`) is started here and runs, one after the other:
+1. bulk alone: a closed loop of `bulk_concurrency` streams (the bulk-only throughput);
+2. interactive alone: one stream at a time (its single-sequence ITL, which sets the target);
+3. the mix: the same bulk loop plus Poisson interactive arrivals.
+Reported: interactive attainment of TTFT ≤ target, of ITL ≤ target, of both; bulk throughput in the mix
+over bulk alone; and, for tokenline, the most bulk throughput any schedule could give under the ITL
+target: from the step-time curve measured in run 1 (step = a + b·batch, least squares on the step periods in
+tokenline's step log) and the share of time each number of interactive streams ran in run 3, bulk can decode at
+most k(n) = ⌊(T − a)/b⌋ − n sequences per step while n interactive streams run (each such step is at
+least a + b·(n + k)), and its whole batch while none do. The plot shows per-step batch size and step
+time over the mixed run with interactive arrivals marked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tokenline.bench.arrivals import ArrivalProcess
+from tokenline.bench.records import OK
+from tokenline.bench.servers import EngineSettings, ServerProcess, start_tokenline, start_vllm
+from tokenline.bench.session import BenchSpec, Outcome, jsonable, run_once, write_outputs
+from tokenline.bench.report import format_results
+from tokenline.bench.workload import LengthDist, Slo, StreamSpec
+
+
+@dataclass(frozen=True)
+class MixedSpec:
+    settings: EngineSettings = EngineSettings(max_seqs=48)
+    bulk_concurrency: int = 48
+    bulk_lengths: tuple[int, int] = (256, 256)  # input, output
+    interactive_rate: float = 1.0  # arrivals per second
+    interactive_lengths: tuple[int, int] = (64, 64)
+    duration_s: float = 60.0
+    itl_target_steps: float = 2.5  # the ITL target, in single-sequence steps (tokenline's and the report's)
+    ttft_target_ms: float = 500.0
+    servers: tuple[str, ...] = ("tokenline", "vllm")
+    tokenline_engine: str = "vllm"
+    seed: int = 0
+
+    def bulk(self) -> StreamSpec:
+        return StreamSpec("bulk", "bulk", concurrency=self.bulk_concurrency,
+                          input_len=LengthDist("fixed", self.bulk_lengths[0]), output_len=LengthDist("fixed", self.bulk_lengths[1]))
+
+    def interactive(self, slo: Slo) -> StreamSpec:
+        return StreamSpec("interactive", "interactive", ArrivalProcess(self.interactive_rate),
+                          input_len=LengthDist("fixed", self.interactive_lengths[0]),
+                          output_len=LengthDist("fixed", self.interactive_lengths[1]), slo=slo)
+
+    def bench(self, target: str, *streams: StreamSpec, num_requests: int | None = None) -> BenchSpec:
+        return BenchSpec(target=target, streams=streams, seed=self.seed, tokenizer=self.settings.model,
+                         duration_s=None if num_requests else self.duration_s, num_requests=num_requests,
+                         openai_priority=True, max_lag_ms=1000.0, warmup=2)
+
+
+async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:  # noqa: ANN001
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"spec": jsonable({**spec.__dict__, "settings": spec.settings.__dict__}), "servers": {}}
+    for kind in spec.servers:
+        step_log = out_dir / kind / "steps.jsonl"
+        step_log.parent.mkdir(parents=True, exist_ok=True)
+        step_log.unlink(missing_ok=True)
+        with _start(kind, spec, out_dir, step_log) as server:
+            report["servers"][kind] = await _measure(kind, server, spec, out_dir / kind, step_log, log)
+    text = format_mixed(report)
+    (out_dir / "mixed.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
+    (out_dir / "mixed.txt").write_text(text + "\n")
+    log(text)
+    return report
+
+
+async def _measure(kind: str, server: ServerProcess, spec: MixedSpec, out: Path, step_log: Path, log: Any) -> dict[str, Any]:
+    async def run(name: str, bench: BenchSpec) -> Outcome:
+        log(f"-- {kind}: {name}")
+        outcome = await run_once(bench, label=f"{kind} {name}")
+        write_outputs(outcome, out / name, summary=format_results(outcome.results, title=f"{kind} · {name}"))
+        return outcome
+
+    bulk_alone = await run("bulk-alone", spec.bench(server.address, spec.bulk()))
+    curve_end = _log_len(step_log)
+    solo = await run("interactive-alone", spec.bench(server.address, replace(spec.interactive(Slo()), arrival=None, concurrency=1),
+                                                      num_requests=5))
+    solo_itl_ms = statistics.median(r.tpot * 1000 for r in solo.run.records if r.status == OK and r.tpot)
+    slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=spec.itl_target_steps * solo_itl_ms)
+    mix_start = _log_len(step_log)
+    mix = await run("mixed", spec.bench(server.address, spec.bulk(), spec.interactive(slo)))
+    result = {"solo_itl_ms": solo_itl_ms, "slo": slo.as_dict(),
+              "bulk_alone_tok_s": bulk_alone.results["classes"]["bulk"]["output_throughput"],
+              "bulk_mixed_tok_s": mix.results["classes"]["bulk"]["output_throughput"],
+              **attainment(mix, slo)}
+    result["bulk_mixed_over_alone"] = result["bulk_mixed_tok_s"] / result["bulk_alone_tok_s"]
+    steps = _read_steps(step_log)
+    if steps:
+        curve = fit_step_curve(steps[:curve_end])
+        bound = bulk_bound(curve, steps[mix_start:], spec.bulk_concurrency, slo.itl_ms / 1000, mix.run.started_unix,
+                           result["bulk_alone_tok_s"])
+        result.update(step_curve_ms={"a": curve[0] * 1000, "b": curve[1] * 1000}, **bound)
+        if bound.get("bound_tok_s"):
+            result["bulk_mixed_over_bound"] = result["bulk_mixed_tok_s"] / bound["bound_tok_s"]
+        _plot(steps[mix_start:], mix, out / "steps.png", slo)
+    return result
+
+
+def attainment(outcome: Outcome, slo: Slo) -> dict[str, Any]:
+    chats = [r for r in outcome.run.records if r.traffic_class == "interactive"]
+    ok_ttft = [r.status == OK and r.ttft is not None and r.ttft * 1000 <= slo.ttft_ms for r in chats]
+    ok_itl = [r.status == OK and r.tpot is not None and r.tpot * 1000 <= slo.itl_ms for r in chats]
+    n = max(len(chats), 1)
+    itls = sorted(r.tpot * 1000 for r in chats if r.tpot)
+    return {"interactive_requests": len(chats), "attain_ttft": sum(ok_ttft) / n, "attain_itl": sum(ok_itl) / n,
+            "attain_both": sum(a and b for a, b in zip(ok_ttft, ok_itl)) / n,
+            "interactive_itl_p50_ms": _pct(itls, 50), "interactive_itl_p99_ms": _pct(itls, 99)}
+
+
+def fit_step_curve(steps: list[dict]) -> tuple[float, float]:
+    """(a, b) seconds of step period = a + b·batch, least squares over back-to-back decode steps.
+
+    The period (report to report, as the frontend received them) is what a stream sees between
+    its tokens: the engine step plus the worker loop, the pipe and the frontend's share of the cores.
+    """
+    pts = [(s["batch"], s["unix"] - prev["unix"]) for prev, s in zip(steps, steps[1:])
+           if s["batch"] and prev["batch"] and not s["prefill"] and s["unix"] - prev["unix"] < 4 * s["step_ms"] / 1000 + 0.05]
+    if len(pts) < 2 or len({x for x, _ in pts}) < 2:
+        y = statistics.median(v for _, v in pts) if pts else math.nan
+        return y, 0.0
+    mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return my - b * mx, max(b, 0.0)
+
+
+def bulk_bound(curve: tuple[float, float], steps: list[dict], bulk: int, target_s: float, since_unix: float,
+               bulk_alone_tok_s: float) -> dict[str, Any]:
+    """The most bulk tokens/s any schedule could give under the ITL target, weighted by time with n interactive.
+
+    With no interactive stream running, the bound is bulk's measured throughput alone; with n running,
+    k(n) bulk sequences at most in steps of a + b·(n + k(n)) seconds.
+    """
+    a, b = curve
+    steps = [s for s in steps if s.get("unix", since_unix) >= since_unix]
+    if not steps or b <= 0:
+        return {}
+    time_with: dict[int, float] = {}
+    for s in steps:
+        time_with[s["interactive"]] = time_with.get(s["interactive"], 0.0) + s["step_ms"] / 1000
+    total = sum(time_with.values())
+
+    def rate(n: int) -> float:
+        if n == 0:
+            return bulk_alone_tok_s
+        k = max(min(math.floor((target_s - a) / b) - n, bulk), 0)
+        return min(k / (a + b * (n + k)), bulk_alone_tok_s) if k else 0.0
+
+    bound = sum(t / total * rate(n) for n, t in time_with.items())
+    return {"bound_tok_s": bound, "share_of_time_by_interactive": {n: t / total for n, t in sorted(time_with.items())}}
+
+
+def format_mixed(report: dict[str, Any]) -> str:
+    from tokenline.bench.report import fmt, table
+
+    servers = report["servers"]
+    kinds = list(servers)
+    rows = []
+    for key, label, spec in (("solo_itl_ms", "interactive alone: ITL p50 ms", ".1f"),
+                             ("attain_ttft", "mixed: interactive attainment, TTFT", ".3f"),
+                             ("attain_itl", "mixed: interactive attainment, ITL", ".3f"),
+                             ("attain_both", "mixed: interactive attainment, both", ".3f"),
+                             ("interactive_itl_p50_ms", "mixed: interactive ITL p50 ms", ".1f"),
+                             ("interactive_itl_p99_ms", "mixed: interactive ITL p99 ms", ".1f"),
+                             ("bulk_alone_tok_s", "bulk alone: output tok/s", ",.0f"),
+                             ("bulk_mixed_tok_s", "mixed: bulk output tok/s", ",.0f"),
+                             ("bulk_mixed_over_alone", "mixed bulk ÷ bulk alone", ".2f"),
+                             ("bound_tok_s", "bound on bulk under the ITL target, tok/s", ",.0f"),
+                             ("bulk_mixed_over_bound", "mixed bulk ÷ that bound", ".2f")):
+        rows.append((label, *(fmt(servers[k].get(key), spec) for k in kinds)))
+    lines = [table(("", *(k if k != "vllm" else "vllm serve" for k in kinds)), rows)]
+    for k in kinds:
+        slo = servers[k].get("slo", {})
+        lines.append(f"{k}: targets TTFT ≤ {slo.get('ttft_ms', math.nan):.0f} ms, ITL ≤ {slo.get('itl_ms', math.nan):.1f} ms "
+                     f"({report['spec']['itl_target_steps']} × its own interactive-alone ITL)")
+    return "\n".join(lines)
+
+
+def _start(kind: str, spec: MixedSpec, out_dir: Path, step_log: Path) -> ServerProcess:
+    log_path = out_dir / "logs" / f"{kind}.log"
+    if kind == "tokenline":
+        return start_tokenline(spec.settings, log_path, engine=spec.tokenline_engine,
+                               extra_args=("--workers", "1", "--interactive-itl-target-steps", str(spec.itl_target_steps),
+                                           "--interactive-ttft-target-ms", str(spec.ttft_target_ms), "--step-log", str(step_log)))
+    return start_vllm(spec.settings, log_path)
+
+
+def _log_len(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _read_steps(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
+
+
+def _plot(steps: list[dict], mix: Outcome, path: Path, slo: Slo) -> None:
+    from tokenline.bench.plots import _pyplot
+
+    plt = _pyplot()
+    t0 = mix.run.started_unix
+    steps = [s for s in steps if "unix" in s and s["unix"] >= t0]
+    if not steps:
+        return
+    ts = [s["unix"] - t0 for s in steps]
+    fig, (ax_b, ax_t) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
+    ax_b.plot(ts, [s["batch"] for s in steps], lw=0.7, label="sequences in the step")
+    ax_b.plot(ts, [s["paused"] for s in steps], lw=0.7, color="tab:orange", label="bulk paused (KV kept)")
+    ax_b.plot(ts, [s["interactive"] for s in steps], lw=0.9, color="tab:blue", label="interactive running")
+    ax_t.plot(ts, [s["step_ms"] for s in steps], lw=0.7, color="black", label="step time")
+    ax_t.axhline(slo.itl_ms, color="red", ls="--", lw=1, label=f"ITL target {slo.itl_ms:.0f} ms")
+    for r in mix.run.records:
+        if r.traffic_class == "interactive":
+            for ax in (ax_b, ax_t):
+                ax.axvline(r.scheduled, color="tab:blue", alpha=0.25, lw=0.8)
+    ax_b.set(ylabel="sequences", title="tokenline, mixed run: per-step batch and step time (blue lines: interactive arrivals)")
+    ax_t.set(ylabel="step ms", xlabel="seconds from start")
+    for ax in (ax_b, ax_t):
+        ax.legend(fontsize=8, loc="upper right")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
