@@ -29,7 +29,7 @@ class WorkerLoad:
 
     interactive: int  # interactive sequences running (decoding, or their prompt still owed)
     interactive_prefill: int  # prompt tokens of those not computed yet
-    bulk: int  # bulk sequences running
+    bulk: int  # bulk sequences decoding (a bulk prompt still owed is prefill, planned in step 4)
 
 
 def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float | None, *,

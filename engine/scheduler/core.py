@@ -274,7 +274,7 @@ class Scheduler(AdmissionControl):
             interactive = [e for e in w.running.values() if e.cls == TrafficClass.INTERACTIVE]
             load = WorkerLoad(interactive=len(interactive),
                               interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
-                              bulk=len(w.running) - len(interactive))
+                              bulk=sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled))
             single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
             plan = compose_step(load, w.cadence, self.config.interactive.itl_target_for(single),
                                 share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode)
