@@ -79,7 +79,7 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `bench` and its commands (run, capacity, compare, simulate, loadgen) to `subparsers`."""
+    """Add `bench` and its commands (run, capacity, compare, simulate, loadgen, chaos, fuzz) to `subparsers`."""
     bench = subparsers.add_parser("bench", help="benchmark a server: latency, goodput, capacity, comparisons",
                                   description="Benchmark tokenline (or an OpenAI-compatible server) under load.",
                                   formatter_class=_formatter)
@@ -172,6 +172,15 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     lg.add_argument("--duration-s", type=float, default=10.0, help="seconds per measurement (default %(default)s)")
     lg.add_argument("--tokens-per-chunk", type=int, default=1, help="stand-in server: tokens per chunk (default %(default)s)")
     lg.add_argument("--json", action="store_true", help="print the measurements as JSON")
+
+    from tokenline.bench import chaos, fuzz
+
+    ch = sub.add_parser("chaos", help="chaos soak: mixed traffic while workers are killed and stopped; reports losses and leaks",
+                        epilog=chaos.EXAMPLES, formatter_class=_formatter)
+    chaos.add_arguments(ch)
+    fz = sub.add_parser("fuzz", help="fuzz a server with hostile requests and raw bytes; every answer must be legitimate",
+                        epilog=fuzz.EXAMPLES, formatter_class=_formatter)
+    fuzz.add_arguments(fz)
     return bench
 
 

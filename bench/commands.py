@@ -21,12 +21,24 @@ class UsageError(ValueError):
     """Arguments that cannot make a run; the message says what to change."""
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from tokenline.bench import chaos
+
+    return chaos.run_command(args)
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from tokenline.bench import fuzz
+
+    return fuzz.run_command(args)
+
+
 def dispatch(args: argparse.Namespace) -> int:
     from tokenline.bench.runner import LoadGeneratorBehind
     from tokenline.bench.servers import ServerStartError
 
     command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "mixed": cmd_mixed, "simulate": cmd_simulate,
-               "loadgen": cmd_loadgen}[args.bench_command]
+               "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz}[args.bench_command]
     try:
         return command(args)
     except (UsageError, PromptError, ValueError) as e:

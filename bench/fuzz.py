@@ -166,15 +166,28 @@ def run(address: str, structured: int, raw: int, seed: int) -> dict:
             "server_alive": still_alive, "seconds": round(time.monotonic() - started, 1), "failures": failures}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tokenline.bench.fuzz", description=__doc__.split("\n\n")[0],
-                                epilog="example: python -m tokenline.bench.fuzz --structured 8000 --raw 4000",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+EXAMPLES = """examples:
+  python -m tokenline.bench.fuzz --structured 8000 --raw 4000    # a sim-engine server is started here
+  tokenline bench fuzz --target 127.0.0.1:50051 --structured 2000 --raw 0
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="host:port of a running server (default: start a sim-engine server here)")
     p.add_argument("--structured", type=int, default=8000, help="hypothesis-generated requests (default %(default)s)")
     p.add_argument("--raw", type=int, default=4000, help="random byte strings (default %(default)s)")
     p.add_argument("--seed", type=int, default=1)
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tokenline.bench.fuzz", description=__doc__.split("\n\n")[0],
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_command(p.parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Fuzz and print the report as JSON; 0 when every answer was legitimate and the server is alive."""
     server = None
     address = args.target
     if address is None:

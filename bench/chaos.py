@@ -1,0 +1,460 @@
+"""Chaos soak: mixed traffic against a real server while its workers are killed and stopped.
+
+Starts `tokenline serve` (tiny model, 2 workers and a standby, a step watchdog, metrics on) on
+loopback and, for the chosen time, drives it with complete streams, cancelled streams, keyed
+streams broken and resumed, malformed and oversized requests, while worker processes get SIGKILL
+or SIGSTOP at random. Then it reports what a caller could have lost: requests that ended with no
+status, streams with a gap or a repeat in their indexes, completed streams short of max_tokens,
+UNKNOWN or INTERNAL answers, and what the server still holds once traffic stops (in-flight
+requests, running sequences, KV in use, queued requests), with the server's RSS over time.
+
+    python -m tokenline.bench.chaos --minutes 10        # exit status 0 when everything is zero and flat
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from tokenline.v1 import tokenline_pb2 as pb
+from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
+
+BAD = {"UNKNOWN", "INTERNAL"}  # answers that mean the server failed, whatever the input
+CALL_TIMEOUT_S = 120.0  # a stream that has not ended by then counts as stalled (lost)
+LEAK_GAUGES = ("tokenline_requests_in_flight", "tokenline_worker_running_sequences", "tokenline_worker_waiting_sequences",
+               "tokenline_worker_kv_usage_ratio", "tokenline_queue_requests")
+
+
+@dataclass
+class Tally:
+    requests: Counter = field(default_factory=Counter)  # by kind
+    codes: Counter = field(default_factory=Counter)  # final status name, all kinds
+    lost: int = 0  # ended with no finish reason and no error, or stalled past CALL_TIMEOUT_S
+    index_errors: int = 0  # a chunk not at the next index: a gap or a repeat
+    truncated: int = 0  # finished LENGTH (ignore_eos) with fewer than max_tokens tokens
+    replay_mismatch: int = 0  # a keyed retry's stored result differs from the run it followed
+    bad_answers: int = 0  # UNKNOWN or INTERNAL
+    faults: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def problem(self, what: str) -> None:
+        if len(self.examples) < 20:
+            self.examples.append(what)
+
+
+class Server:
+    """`tokenline serve` on loopback in its own process group, output kept for the report."""
+
+    def __init__(self, args: list[str]):
+        self.metrics_port = _free_port()
+        cmd = [sys.executable, "-m", "tokenline.server.cli", "serve", "--port", "0", "--metrics-port", str(self.metrics_port), *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self.address: str | None = None
+        self.ready_pids: set[int] = set()  # workers that said they are loaded (active or standby)
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if len(self.lines) < 5000:
+                self.lines.append(line.rstrip("\n"))
+            ready = re.search(r"worker \d+ ready: model \S+, pid (\d+)", line)
+            if ready:
+                self.ready_pids.add(int(ready.group(1)))
+            m = re.search(r"tokenline: serving on (\S+):(\d+)", line)
+            if m:
+                self.address = f"{m.group(1)}:{m.group(2)}"
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self._ready.wait(timeout) or self.address is None:
+            raise RuntimeError("server did not become ready:\n" + "\n".join(self.lines[-40:]))
+
+    def ready_workers(self) -> list[int]:
+        """Loaded workers still running."""
+        return [pid for pid in self.workers() if pid in self.ready_pids]
+
+    def workers(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        pids = []
+        for pid in map(int, out.split()):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"spawn" in cmd and b"resource_tracker" not in cmd:
+                pids.append(pid)
+        return pids
+
+    def rss_mb(self) -> float:
+        try:
+            for line in open(f"/proc/{self.proc.pid}/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return float("nan")
+
+    def gauges(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in LEAK_GAUGES:
+                out[line.rpartition(" ")[0]] = float(line.rpartition(" ")[2])
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Traffic:
+    """The callers: each `one()` sends one request of a random kind and checks what came back."""
+
+    def __init__(self, channel: grpc.aio.Channel, tally: Tally, rng: random.Random):
+        self.stub = pb_grpc.TokenlineStub(channel)
+        self.channel = channel
+        self.tally, self.rng = tally, rng
+        self.n = 0
+
+    async def one(self) -> None:
+        self.n += 1
+        kinds = ["stream", "cancel", "keyed", "malformed", "oversized"]
+        kind = self.rng.choices(kinds, weights=[45, 15, 15, 18, 7])[0]
+        self.tally.requests[kind] += 1
+        await getattr(self, kind)()
+
+    def _request(self, **extra) -> tuple[pb.GenerateRequest, int]:
+        rng = self.rng
+        max_tokens = rng.choice([4, 16, 32, 64, 128])
+        req = pb.GenerateRequest(text=" ".join(rng.choice(["tell", "a", "story", "about", "chaos", "and", "order"])
+                                               for _ in range(rng.randint(1, 60))),
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=rng.choice([0.0, 0.8]),
+                                                            ignore_eos=True),
+                                 traffic_class=rng.choice([pb.INTERACTIVE, pb.BULK]),
+                                 request_id=f"chaos-{os.getpid()}-{self.n}", **extra)
+        return req, max_tokens
+
+    async def _read(self, call, start: int, max_tokens: int, stop_after: int | None = None):
+        """(next index, finish reason, status name); checks that indexes run on without gaps or repeats."""
+        position, reason, chunks = start, 0, 0
+        try:
+            async for chunk in call:
+                if chunk.index != position and chunk.token_ids:
+                    self.tally.index_errors += 1
+                    self.tally.problem(f"chunk at index {chunk.index}, expected {position}")
+                position = chunk.index + len(chunk.token_ids)
+                reason = chunk.finish_reason or reason
+                chunks += 1
+                if stop_after is not None and chunks >= stop_after:
+                    call.cancel()
+                    return position, reason, "CANCELLED"
+            code = "OK"
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as err:
+            code = err.code().name
+        if code == "OK" and reason == pb.LENGTH and position != max_tokens:
+            self.tally.truncated += 1
+            self.tally.problem(f"finished LENGTH with {position} of {max_tokens} tokens")
+        if code == "OK" and not reason:
+            self.tally.lost += 1
+            self.tally.problem("a stream ended OK without a finish reason")
+        return position, reason, code
+
+    def _count(self, code: str, what: str) -> None:
+        self.tally.codes[code] += 1
+        if code in BAD:
+            self.tally.bad_answers += 1
+            self.tally.problem(f"{code} for {what}")
+        if code == "DEADLINE_EXCEEDED":
+            self.tally.lost += 1  # our calls set no deadline on the server: this one stalled
+            self.tally.problem(f"stalled past {CALL_TIMEOUT_S:.0f} s: {what}")
+
+    async def stream(self) -> None:
+        req, max_tokens = self._request()
+        _, _, code = await self._read(self.stub.Generate(req, timeout=CALL_TIMEOUT_S), 0, max_tokens)
+        self._count(code, "a stream")
+
+    async def cancel(self) -> None:
+        req, max_tokens = self._request()
+        call = self.stub.Generate(req, timeout=CALL_TIMEOUT_S)
+        if self.rng.random() < 0.5:  # the caller goes away part-way
+            _, _, code = await self._read(call, 0, max_tokens, stop_after=self.rng.randint(1, 4))
+        else:  # or cancels by id from another call
+            async def cancel_soon():
+                await asyncio.sleep(self.rng.uniform(0, 0.2))
+                try:
+                    await self.stub.Cancel(pb.CancelRequest(request_id=req.request_id), timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    self._count(err.code().name, "a Cancel call")
+            task = asyncio.create_task(cancel_soon())
+            _, _, code = await self._read(call, 0, max_tokens)
+            await task
+        self._count(code, "a cancelled stream")
+
+    async def keyed(self) -> None:
+        """A keyed stream broken after a few chunks, resumed where it broke, then asked again from 0."""
+        req, max_tokens = self._request(idempotency_key=f"chaos-key-{os.getpid()}-{self.n}")
+        first = self.stub.Generate(req, timeout=CALL_TIMEOUT_S)
+        position, reason, code = await self._read(first, 0, max_tokens, stop_after=self.rng.randint(1, 3))
+        if code == "CANCELLED" and reason:  # it had finished before the caller broke it
+            code = "OK"
+        elif code == "CANCELLED" and position > 0:
+            resumed = pb.GenerateRequest()
+            resumed.CopyFrom(req)
+            resumed.resume_from_index = position
+            position, reason, code = await self._read(self.stub.Generate(resumed, timeout=CALL_TIMEOUT_S), position, max_tokens)
+            if code == "OK" and reason == pb.LENGTH:
+                await self._replay(req, max_tokens)
+        self._count(code, "a keyed stream")
+
+    async def _replay(self, req: pb.GenerateRequest, max_tokens: int) -> None:
+        try:
+            again = await self.stub.Complete(req, timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            self._count(err.code().name, "a keyed retry")
+            return
+        if len(again.token_ids) != max_tokens:
+            self.tally.replay_mismatch += 1
+            self.tally.problem(f"keyed retry returned {len(again.token_ids)} of {max_tokens} tokens")
+
+    async def malformed(self) -> None:
+        rng = self.rng
+        if rng.random() < 0.5:
+            payload = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 300)))
+            call = self.channel.unary_unary("/tokenline.v1.Tokenline/Complete")
+            what = "random bytes"
+        else:
+            req, _ = self._request()
+            bad = rng.choice(["nan", "topp", "ids", "resume", "zero", "model", "stop"])
+            if bad == "nan":
+                req.sampling.temperature = float("nan")
+            elif bad == "topp":
+                req.sampling.top_p = 7.0
+            elif bad == "ids":
+                req.token_ids.ids.extend([2**31, 5])
+            elif bad == "resume":
+                req.resume_from_index = 3
+            elif bad == "zero":
+                req.sampling.max_tokens = 0
+            elif bad == "model":
+                req.model = "no-such-model\n"
+            else:
+                req.sampling.stop.extend(["x" * 300] * 40)
+            payload, call, what = req.SerializeToString(), self.channel.unary_unary("/tokenline.v1.Tokenline/Complete"), f"bad {bad}"
+        try:
+            await call(payload, timeout=CALL_TIMEOUT_S)
+            code = "OK"
+        except grpc.aio.AioRpcError as err:
+            code = err.code().name
+        self._count(code, what)
+
+    async def oversized(self) -> None:
+        req, _ = self._request()
+        size = self.rng.choice([5 << 20, 1 << 20, 200_000])  # past the message limit, past the context, long
+        req.text = "z " * (size // 2)
+        try:
+            await self.stub.Complete(req, timeout=CALL_TIMEOUT_S)
+            code = "OK"
+        except grpc.aio.AioRpcError as err:
+            code = err.code().name
+        self._count(code, f"a {size}-character prompt")
+
+
+async def inject_faults(server: Server, tally: Tally, rng: random.Random, until: float, every_s: tuple[float, float],
+                        watchdog_s: float) -> None:
+    """SIGKILL or SIGSTOP a random loaded worker now and then, while at least two are loaded; a stopped worker the
+    watchdog spared (it had no work) is continued after twice the watchdog's limit."""
+    while time.monotonic() < until:
+        await asyncio.sleep(rng.uniform(*every_s))
+        pids = server.ready_workers()
+        if len(pids) < 2 or time.monotonic() >= until:
+            continue  # one loaded worker left (the others loading): a fault that leaves none measures only restarts
+        pid = rng.choice(pids)
+        try:
+            if rng.random() < 0.6:
+                os.kill(pid, signal.SIGKILL)
+                tally.faults["sigkill"] += 1
+            else:
+                os.kill(pid, signal.SIGSTOP)
+                tally.faults["sigstop"] += 1
+                await asyncio.sleep(2 * watchdog_s)
+                if os.path.exists(f"/proc/{pid}"):
+                    os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+async def soak(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    tally = Tally()
+    server = Server(["--model", args.model, "--workers", "2", "--threads", "1", "--standby-workers", "1",
+                     "--step-watchdog-s", str(args.watchdog_s), "--kv-cache-mb", "64", "--max-seqs", "16",
+                     "--max-model-len", "1024", "--log-level", "INFO", "--request-log-level", "WARNING"])
+    rss: list[tuple[float, float]] = []
+    try:
+        server.wait_ready(args.start_timeout_s)
+        start = time.monotonic()
+        until = start + args.minutes * 60
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            traffic = Traffic(channel, tally, rng)
+
+            async def caller() -> None:
+                sent = 0
+                while time.monotonic() < until and sent < args.max_requests:
+                    sent += 1
+                    await traffic.one()
+
+            async def sample_rss() -> None:
+                while time.monotonic() < until:
+                    rss.append((round(time.monotonic() - start, 1), round(server.rss_mb(), 1)))
+                    if not args.quiet:
+                        print(f"chaos: {time.monotonic() - start:5.0f} s, {sum(tally.requests.values())} requests, "
+                              f"faults {dict(tally.faults)}, server RSS {rss[-1][1]:.0f} MB", file=sys.stderr)
+                    await asyncio.sleep(args.sample_s)
+
+            await asyncio.gather(*(caller() for _ in range(args.concurrency)), sample_rss(),
+                                 inject_faults(server, tally, rng, until, (args.fault_min_s, args.fault_max_s), args.watchdog_s))
+            for pid in server.workers():  # leave no worker stopped
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            leaked = await _wait_drained(server)
+            alive = await _alive(channel)
+        rss.append((round(time.monotonic() - start, 1), round(server.rss_mb(), 1)))
+    finally:
+        server.stop()
+    return _report(args, tally, leaked, alive, rss)
+
+
+async def _wait_drained(server: Server, timeout: float = 90.0) -> dict[str, float]:
+    """What the server still holds once no request is left: nothing, once broken keyed runs have finished."""
+    end = time.monotonic() + timeout
+    while True:
+        held = {k: v for k, v in (await asyncio.to_thread(server.gauges)).items() if v}
+        if not held or time.monotonic() > end:
+            return held
+        await asyncio.sleep(1.0)
+
+
+async def _alive(channel: grpc.aio.Channel) -> bool:
+    req = pb.GenerateRequest(text="still there", sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(30):  # a worker may still be restarting after the last fault
+        try:
+            return len((await pb_grpc.TokenlineStub(channel).Complete(req, timeout=30)).token_ids) == 4
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(1.0)
+    return False
+
+
+def _report(args: argparse.Namespace, tally: Tally, leaked: dict[str, float], alive: bool, rss: list[tuple[float, float]]) -> dict:
+    values = [mb for _, mb in rss]
+    third = max(len(values) // 3, 1)
+    early, late = statistics.median(values[:third]), statistics.median(values[-third:])
+    growth_mb = late - early
+    judged_rss = args.minutes * 60 >= 120  # a short run is mostly warm-up: RSS is reported, not judged
+    rss_flat = not judged_rss or growth_mb <= max(0.1 * early, 30.0)
+    ok = (alive and not leaked and tally.lost == 0 and tally.index_errors == 0 and tally.truncated == 0
+          and tally.replay_mismatch == 0 and tally.bad_answers == 0 and rss_flat)
+    return {
+        "ok": ok, "minutes": args.minutes, "requests": sum(tally.requests.values()), "by_kind": dict(tally.requests),
+        "answers": dict(tally.codes), "faults": dict(tally.faults), "lost": tally.lost, "index_errors": tally.index_errors,
+        "truncated": tally.truncated, "replay_mismatch": tally.replay_mismatch, "unknown_or_internal": tally.bad_answers,
+        "leaked_after_drain": leaked, "alive_after": alive,
+        "server_rss_mb": {"early_median": early, "late_median": late, "growth": round(growth_mb, 1), "flat": rss_flat,
+                          "judged": judged_rss, "samples": rss},
+        "examples": tally.examples,
+    }
+
+
+EXAMPLES = """examples:
+  python -m tokenline.bench.chaos                       # 10 minutes; exit status 0 when all is zero and flat
+  tokenline bench chaos --minutes 2 --concurrency 4 --json > soak.json
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=float, default=10.0, help="how long the traffic and faults run (default %(default)s)")
+    p.add_argument("--model", default="tiny", help="model to serve (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8, help="callers sending at once (default %(default)s)")
+    p.add_argument("--max-requests", type=int, default=1_000_000, help="per caller, a bound besides time")
+    p.add_argument("--fault-min-s", type=float, default=5.0, help="least time between faults (default %(default)s)")
+    p.add_argument("--fault-max-s", type=float, default=20.0, help="most time between faults (default %(default)s)")
+    p.add_argument("--watchdog-s", type=float, default=3.0, help="the server's --step-watchdog-s (default %(default)s)")
+    p.add_argument("--sample-s", type=float, default=10.0, help="RSS sampling period (default %(default)s)")
+    p.add_argument("--start-timeout-s", type=float, default=900.0, help="wait this long for the workers to load")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tokenline.bench.chaos", description=__doc__.split("\n\n")[0],
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def main_report(args: argparse.Namespace) -> dict:
+    """Run the soak; the report as a dict (see _report)."""
+    return asyncio.run(soak(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the soak and print its report; 0 when everything is zero and flat, 1 otherwise."""
+    report = main_report(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        brief = {k: v for k, v in report.items() if k not in ("server_rss_mb", "examples")}
+        print(json.dumps(brief, indent=None))
+        r = report["server_rss_mb"]
+        print(f"server RSS: {r['early_median']:.0f} MB early, {r['late_median']:.0f} MB late (growth {r['growth']} MB)"
+              f"{'' if r['judged'] else ', not judged on a run this short'}")
+        for example in report["examples"]:
+            print(f"  problem: {example}")
+        print("chaos soak: " + ("everything zero and flat" if report["ok"] else "PROBLEMS FOUND"))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
