@@ -457,10 +457,17 @@ class _SchedulerView:
             return [], budget  # no interactive request: bulk gets the whole machine
         interactive = [r for r in running if r.priority == 0]
         bulk = [r for r in running if r.priority != 0]
-        keep = len(bulk) if plan.bulk_decode is None else plan.bulk_decode
-        paused = bulk[keep:]
+        decoding = [r for r in bulk if r.num_computed_tokens >= r.num_prompt_tokens]
+        keep = decoding if plan.bulk_decode is None else decoding[:plan.bulk_decode]
+        # A bulk prompt part-way through its prefill sits in the running list, which vLLM serves
+        # before any waiting prompt: while an interactive prompt waits, it would take the step's
+        # prefill tokens first. It pauses until the interactive prompt is in.
+        if not any(r.priority == 0 for r in scheduler.waiting):
+            keep = keep + [r for r in bulk if r not in decoding]
+        kept = set(map(id, keep))
+        paused = [r for r in bulk if id(r) not in kept]
         if paused:
-            scheduler.running = interactive + bulk[:keep]
+            scheduler.running = interactive + keep
         if plan.prefill_tokens is not None:
             scheduler.max_num_scheduled_tokens = min(budget, len(scheduler.running) + plan.prefill_tokens)
         return paused, budget
