@@ -33,9 +33,14 @@ FILLER = "Tell me briefly. " * 40  # to push prompts across KV-block boundaries
 
 
 def prompts(tokenizer) -> list[tuple[str, list[int]]]:
-    chat = lambda text: tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    plain = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    def chat(text: str) -> list[int]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+    def plain(text: str) -> list[int]:
+        return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
     out = [
         ("chat: capital of France", chat("What is the capital of France?")),
         ("chat: 2+2", chat("What is 2+2? Answer with one number.")),
@@ -48,7 +53,7 @@ def prompts(tokenizer) -> list[tuple[str, list[int]]]:
             if len(ids) <= target:
                 out.append((f"chat: capital of France after filler ({len(ids)} tokens)", ids))
                 break
-    return [(name, [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]) for name, ids in out]
+    return out
 
 
 def reference(folder: Path, cases) -> dict[str, list[tuple[int, float]]]:
