@@ -219,7 +219,7 @@ def _plot(steps: list[dict], mix: Outcome, path: Path, slo: Slo) -> None:
         return
     ts = [s["unix"] - t0 for s in steps]
     fig, (ax_b, ax_t) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
-    ax_b.plot(ts, [s["batch"] for s in steps], lw=0.7, label="sequences in the step")
+    ax_b.plot(ts, [s["batch"] for s in steps], lw=0.7, color="tab:green", label="sequences in the step")
     ax_b.plot(ts, [s["paused"] for s in steps], lw=0.7, color="tab:orange", label="bulk paused (KV kept)")
     ax_b.plot(ts, [s["interactive"] for s in steps], lw=0.9, color="tab:blue", label="interactive running")
     ax_t.plot(ts, [s["step_ms"] for s in steps], lw=0.7, color="black", label="step time")
