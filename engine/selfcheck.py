@@ -239,6 +239,10 @@ def save_reference(reference: Reference, path: Path) -> None:
     os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
 
 
+class SelfCheckFailed(RuntimeError):
+    """The engine's output disagrees with the model's float32 reference; the message has the numbers."""
+
+
 class ReferenceUnavailable(RuntimeError):
     """No reference can be had for this folder (too big for float32 here); the message says why."""
 

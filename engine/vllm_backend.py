@@ -35,10 +35,6 @@ from vllm import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 
-class SelfCheckFailed(RuntimeError):
-    """The engine's output disagrees with the model's float32 reference; the message has the numbers."""
-
-
 class VllmBackend:
     def __init__(self, config: WorkerConfig, worker_id: int):
         self.config = config
@@ -91,15 +87,17 @@ class VllmBackend:
             return None, f"skipped: {e}"
 
     def _run_self_check(self, reference: selfcheck.Reference) -> str:
-        """Compare greedy probes with the float32 reference; raise SelfCheckFailed in strict mode."""
+        """Compare greedy probes with the float32 reference; raise selfcheck.SelfCheckFailed in strict mode."""
         verdict = selfcheck.compare(reference, run_probes(self.engine, reference))
         summary = f"{verdict.summary()} (kernel {self.kernel.describe()}, {reference.computed_with} reference)"
         if not verdict.ok:
-            hint = (f"the engine's answers differ from {reference.computed_with} on the same model folder "
-                    f"({self.config.model_path}). If the folder is intact, try another attention kernel "
-                    "(--attention-kernel vec) or dtype (--dtype float32); --self-check warn serves anyway")
+            other = "another dtype (--dtype float32)" if self.kernel.chosen == "vec" else \
+                "the 'vec' attention kernel (--attention-kernel vec) or another dtype (--dtype float32)"
+            hint = (f"The engine's answers differ from {reference.computed_with} on the same model folder "
+                    f"({self.config.model_path}): check that the folder is intact, or try {other}; "
+                    "--self-check warn serves anyway")
             if self.config.self_check == "strict":
-                raise SelfCheckFailed(f"model self-check {summary}. {hint}")
+                raise selfcheck.SelfCheckFailed(f"model self-check {summary}. {hint}")
             log.warning("model self-check %s. %s", summary, hint)
         else:
             log.info("model self-check %s", summary)

@@ -54,12 +54,14 @@ def worker_main(conn: Connection, worker_id: int, config: WorkerConfig) -> None:
     _engine_chatter_to_file()
 
     from tokenline.engine.backend import build_backend
+    from tokenline.engine.selfcheck import SelfCheckFailed
 
     try:
         backend = build_backend(config, worker_id)
         spec = backend.spec()
     except Exception as e:  # a bad model folder, too little memory: say so, then exit
-        log.error("worker %d could not start:\n%s", worker_id, traceback.format_exc())
+        if not isinstance(e, SelfCheckFailed):  # a verdict, not a bug: its message says it all
+            log.error("worker %d could not start:\n%s", worker_id, traceback.format_exc())
         _send_quietly(conn, WorkerFailed(worker_id, f"{type(e).__name__}: {e}"))
         _exit(1)
     conn.send(spec)
