@@ -220,11 +220,14 @@ class SimBackend:
         plan = self.plan
         if not plan.limits or not any(s.item.priority == 0 for s in itertools.chain(running, self.waiting)):
             return running, budget
-        if plan.bulk_decode is not None:
-            bulk = [s for s in running if s.item.priority != 0]
-            paused = set(bulk[plan.bulk_decode:])
-            running = [s for s in running if s not in paused]
-            self._paused = len(paused)
+        bulk = [s for s in running if s.item.priority != 0]
+        decoding = [s for s in bulk if s.computed >= len(s.item.prompt_token_ids)]
+        keep = decoding if plan.bulk_decode is None else decoding[:plan.bulk_decode]
+        if not any(s.item.priority == 0 for s in self.waiting):  # a part-prefilled bulk prompt waits while an interactive one does
+            keep = keep + [s for s in bulk if s not in decoding]
+        paused = set(bulk) - set(keep)
+        running = [s for s in running if s not in paused]
+        self._paused = len(paused)
         if plan.prefill_tokens is not None:
             budget = min(budget, len(running) + plan.prefill_tokens)
         return running, budget

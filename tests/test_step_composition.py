@@ -106,3 +106,23 @@ def test_a_target_in_single_steps_follows_the_step_time_the_worker_measures():
     with_interactive = [s for s in sim.workers[0].step_log[WARM_UP_STEPS:] if s.interactive]
     assert with_interactive and max(s.duration for s in with_interactive) <= 2.5 * SOLO_STEP_S * 1.05
     assert any(s.paused for s in with_interactive)
+
+
+def test_the_simulated_worker_pauses_bulk_beyond_the_plan_only_while_an_interactive_request_is_in(tmp_path):
+    from tokenline.engine.config import WorkerConfig
+    from tokenline.engine.sim_backend import SimBackend
+    from tokenline.engine.types import Sampling, StepPlan, WorkItem
+
+    backend = SimBackend(WorkerConfig(model_path=str(tmp_path), model_name="sim", backend="sim"), 0, sleep=lambda s: None)
+    item = lambda key, priority: WorkItem(key, (5, 6, 7, 8), Sampling(max_tokens=50, ignore_eos=True), priority=priority)  # noqa: E731
+    for i in range(8):
+        backend.add(item(f"bulk-{i}", 1))
+    backend.step()  # all prompts in
+    backend.set_plan(StepPlan(bulk_decode=2, prefill_tokens=16))
+    assert backend.step().batch_size == 8  # no interactive request: the plan holds nothing back
+    backend.add(item("chat", 0))
+    joined = backend.step()
+    assert (joined.batch_size, joined.paused) == (3, 6)  # the interactive prompt and two bulk decodes
+    assert any(o.key == "chat" for o in joined.outputs)
+    backend.abort(("chat",))
+    assert backend.step().batch_size == 8
