@@ -153,7 +153,7 @@ def bulk_bound(curve: tuple[float, float], steps: list[dict], bulk: int, target_
     def rate(n: int) -> float:
         if n == 0:
             return bulk_alone_tok_s
-        k = max(min(math.floor((target_s - a) / b) - n, bulk), 0)
+        k = max(min(math.floor((target_s - a) / b + 1e-9) - n, bulk), 0)
         return min(k / (a + b * (n + k)), bulk_alone_tok_s) if k else 0.0
 
     bound = sum(t / total * rate(n) for n, t in time_with.items())

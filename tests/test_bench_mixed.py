@@ -1,0 +1,28 @@
+"""bench mixed's arithmetic: the step-period curve from a step log, and the bound on bulk under an ITL target."""
+
+import pytest
+
+from tokenline.bench.mixed import bulk_bound, fit_step_curve
+
+
+def _log(batches, a=0.010, b=0.002, interactive=0, start=100.0):
+    steps, t = [], start
+    for n in batches:
+        t += a + b * n
+        steps.append({"unix": t, "batch": n, "paused": 0, "prefill": 0, "step_ms": (a + b * n) * 1000 * 0.8,
+                      "interactive": interactive})
+    return steps
+
+
+def test_the_step_curve_is_fitted_on_the_periods_between_reports():
+    a, b = fit_step_curve(_log([1, 4, 8, 16, 32, 48] * 5))
+    assert a == pytest.approx(0.010, abs=1e-6) and b == pytest.approx(0.002, abs=1e-7)
+
+
+def test_the_bound_is_bulk_alone_without_interactive_and_what_fits_the_target_with_it():
+    curve = (0.010, 0.002)
+    alone = bulk_bound(curve, _log([48] * 10), 48, 0.030, 0.0, bulk_alone_tok_s=400.0)
+    assert alone["bound_tok_s"] == pytest.approx(400.0)
+    # 2 interactive streams and a 30 ms target: at most (30 − 10)/2 − 2 = 8 bulk sequences per 30 ms step
+    mixed = bulk_bound(curve, _log([10] * 10, interactive=2), 48, 0.030, 0.0, bulk_alone_tok_s=400.0)
+    assert mixed["bound_tok_s"] == pytest.approx(8 / 0.030)
