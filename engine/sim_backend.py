@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenline.engine.config import WorkerConfig
+from tokenline.engine.machine import kv_bytes_per_token
 from tokenline.engine.types import FinishReason, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
 _DEFAULT_VOCAB = 32000
@@ -46,7 +47,7 @@ class SimModel:
         eos = hf.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
         self.context_len = int(hf.get("max_position_embeddings") or 1 << 30)
-        self.kv_bytes_per_token = _kv_bytes_per_token(hf)
+        self.kv_bytes_per_token = kv_bytes_per_token(folder) or _DEFAULT_KV_BYTES_PER_TOKEN
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is not None:
@@ -407,17 +408,6 @@ def _load_tokenizer(path: Path) -> Any:
     except ImportError:
         return None
     return Tokenizer.from_file(str(path))
-
-
-def _kv_bytes_per_token(hf: dict[str, Any]) -> int:
-    try:
-        layers = int(hf["num_hidden_layers"])
-        heads = int(hf["num_attention_heads"])
-        kv_heads = int(hf.get("num_key_value_heads") or heads)
-        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return _DEFAULT_KV_BYTES_PER_TOKEN
-    return 2 * layers * kv_heads * head_dim * 2  # K and V, 2 bytes each (bf16)
 
 
 def _model_version(model_path: str) -> str:
