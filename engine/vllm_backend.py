@@ -78,6 +78,8 @@ class VllmBackend:
         """The self-check reference, or None and why there is none."""
         if self.config.self_check == "off":
             return None, "off"
+        if not (Path(self.config.model_path) / "config.json").is_file():
+            return None, "skipped: no model folder"  # building the engine says what is wrong, clearly
         from tokenline.engine.models import cache_dir
 
         try:
