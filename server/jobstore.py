@@ -1,0 +1,406 @@
+"""Durable jobs: records, checkpointed tokens and leases with fencing, on SQLite or PostgreSQL.
+
+A job is accepted when its row is written. A frontend runs a job only while it
+holds the job's lease: `claim` takes queued jobs (and running ones whose lease
+expired, i.e. whose owner died or froze) and bumps the job's fencing token.
+Every later write by that owner (`append`, `renew`, `finish`, `release`) names
+the token in its WHERE clause; zero rows changed means another frontend took
+the job over (or the caller cancelled it), and the write is refused with
+`Fenced`. Tokens are appended only at the index the row says comes next, so
+stored tokens are contiguous and never rewritten: what a watcher read once
+stays true whoever finishes the job.
+
+Both backends speak the same SQL (placeholders rewritten for psycopg). Every
+call runs on the store's own thread, in order; the event loop only awaits a
+future. A store that cannot be reached answers `Unavailable`.
+
+Time is the frontends' wall clock (time.time()); frontends sharing PostgreSQL
+must agree on it to well within a lease.
+
+This module is over 300 lines because it is one schema and its two dialects;
+splitting the SQL from the calls that use it would only scatter the invariants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import pathlib
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tokenline.server.errors import Unavailable
+
+log = logging.getLogger("tokenline.jobs")
+
+STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
+FINAL_STATES = ("succeeded", "failed", "cancelled", "expired")
+BUSY_TIMEOUT_S = 2.0
+MAX_TOKENS_PER_READ = 4096
+
+_COLUMNS = ("job_id", "tenant", "idempotency_key", "fingerprint", "model", "request", "prompt_ids", "sampling",
+            "cls", "deadline", "state", "attempts", "lease_owner", "lease_expires", "fence", "tokens",
+            "finish_reason", "error", "created", "finished")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,      -- '' when none
+    fingerprint TEXT NOT NULL,          -- model, prompt and sampling (server/runtime.py fingerprint)
+    model TEXT NOT NULL,
+    request {blob} NOT NULL,            -- tokenline.v1.GenerateRequest, serialized
+    prompt_ids TEXT NOT NULL,           -- JSON list of token ids
+    sampling TEXT NOT NULL,             -- JSON of engine.types.Sampling
+    cls INTEGER NOT NULL,               -- engine.types.TrafficClass value
+    deadline {real},                    -- Unix time, NULL: none
+    state TEXT NOT NULL,                -- queued | running | succeeded | failed | cancelled | expired
+    attempts INTEGER NOT NULL DEFAULT 0,-- claims so far
+    lease_owner TEXT,
+    lease_expires {real},               -- Unix time
+    fence INTEGER NOT NULL DEFAULT 0,   -- bumped by every claim, named by every owner write
+    tokens INTEGER NOT NULL DEFAULT 0,  -- tokens stored in job_tokens
+    finish_reason TEXT,
+    error TEXT,
+    created {real} NOT NULL,
+    finished {real}
+);
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (tenant, idempotency_key) WHERE idempotency_key <> '';
+CREATE INDEX IF NOT EXISTS jobs_claimable ON jobs (state, created);
+CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created, job_id);
+CREATE TABLE IF NOT EXISTS job_tokens (
+    job_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    token_id INTEGER NOT NULL,
+    text TEXT NOT NULL,                 -- this token's share of the text ('' while text is held back)
+    PRIMARY KEY (job_id, idx)
+)
+"""
+
+
+class Fenced(Exception):
+    """The write named a fencing token that is no longer the job's: another owner has it, or it ended."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: str
+    tenant: str
+    idempotency_key: str
+    fingerprint: str
+    model: str
+    request: bytes
+    prompt_ids: str
+    sampling: str
+    cls: int
+    deadline: float | None
+    state: str
+    attempts: int
+    lease_owner: str | None
+    lease_expires: float | None
+    fence: int
+    tokens: int
+    finish_reason: str | None
+    error: str | None
+    created: float
+    finished: float | None
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """What a submission records (the job id is the store's answer if the key was seen)."""
+
+    job_id: str
+    tenant: str
+    idempotency_key: str
+    fingerprint: str
+    model: str
+    request: bytes
+    prompt_ids: list[int]
+    sampling: dict
+    cls: int
+    deadline: float | None
+
+
+class JobStore:
+    """One interface, two backends: `JobStore.open("path.sqlite3")` or `JobStore.open("postgresql://…")`."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.postgres = target.startswith(("postgresql://", "postgres://"))
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenline-jobs")
+        self._db = None
+        self._thread.submit(self._open).result()  # at start-up: a store that cannot open stops the server
+
+    @property
+    def description(self) -> str:
+        return "PostgreSQL" if self.postgres else f"SQLite {self.target}"
+
+    # ------------------------------------------------ called on the event loop
+
+    def call(self, method: str, *args) -> asyncio.Future:
+        """Run one of this class's blocking methods on the store's thread."""
+        return asyncio.wrap_future(self._thread.submit(self._guarded, getattr(self, method), *args))
+
+    def close(self) -> None:
+        self._thread.submit(self._close).result()
+        self._thread.shutdown()
+
+    def _guarded(self, fn, *args):
+        try:
+            if self._db is None:
+                self._connect()
+            return fn(*args)
+        except (Fenced, LookupError, ValueError):
+            raise
+        except Exception as err:
+            if not self._is_db_error(err):
+                raise
+            log.error("job store (%s): %s failed: %s", self.description, fn.__name__, err)
+            self._drop_connection()
+            raise Unavailable("the job store is unavailable right now; retry shortly") from None
+
+    def _is_db_error(self, err: Exception) -> bool:
+        if isinstance(err, sqlite3.Error):
+            return True
+        if self.postgres:
+            import psycopg
+
+            return isinstance(err, psycopg.Error)
+        return False
+
+    # ------------------------------------------------ connection (store's thread)
+
+    def _open(self) -> None:
+        self._connect()
+        if self.postgres:
+            schema = _SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION")
+        else:
+            schema = _SCHEMA.format(blob="BLOB", real="REAL")
+        for statement in schema.split(";"):
+            if statement.strip():
+                self._x(statement)
+
+    def _connect(self) -> None:
+        if self.postgres:
+            import psycopg
+
+            self._db = psycopg.connect(self.target, autocommit=True, connect_timeout=int(BUSY_TIMEOUT_S) + 1)
+        else:
+            pathlib.Path(self.target).parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.target, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+
+    def _drop_connection(self) -> None:
+        if self.postgres and self._db is not None:
+            try:
+                self._db.close()
+            except Exception:
+                pass
+            self._db = None
+        elif self._db is not None and self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+
+    def _close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _x(self, sql: str, args: tuple = ()):
+        """Execute one statement; returns the cursor (rowcount, fetch*)."""
+        if self.postgres:
+            sql = sql.replace("?", "%s")
+        return self._db.execute(sql, args)
+
+    def _transaction(self):
+        store = self
+
+        class _Tx:
+            def __enter__(self):
+                store._x("BEGIN" if store.postgres else "BEGIN IMMEDIATE")
+
+            def __exit__(self, kind, *_):
+                if kind is None:
+                    store._x("COMMIT")
+                else:
+                    try:
+                        store._x("ROLLBACK")
+                    except Exception:
+                        pass
+                return False
+
+        return _Tx()
+
+    # ------------------------------------------------ submissions and callers (store's thread)
+
+    def submit(self, job: NewJob) -> tuple[JobRecord, bool]:
+        """Record a job; (record, True) when new, (the existing record, False) when its key was seen.
+        Raises ValueError when the key was used for different work."""
+        if job.idempotency_key:
+            found = self._by_key(job.tenant, job.idempotency_key)
+            if found is not None:
+                return self._same_work(found, job), False
+        try:
+            self._x("INSERT INTO jobs (job_id, tenant, idempotency_key, fingerprint, model, request, prompt_ids, sampling, "
+                    "cls, deadline, state, created) VALUES (?,?,?,?,?,?,?,?,?,?,'queued',?)",
+                    (job.job_id, job.tenant, job.idempotency_key, job.fingerprint, job.model, job.request,
+                     json.dumps(job.prompt_ids), json.dumps(job.sampling), job.cls, job.deadline, time.time()))
+        except Exception as err:
+            # Another frontend recorded the same key between our look and our write.
+            found = self._by_key(job.tenant, job.idempotency_key) if job.idempotency_key else None
+            if found is None:
+                raise err
+            return self._same_work(found, job), False
+        return self.get(job.tenant, job.job_id), True
+
+    def _same_work(self, found: JobRecord, job: NewJob) -> JobRecord:
+        if found.fingerprint != job.fingerprint:
+            raise ValueError(f"idempotency key {job.idempotency_key!r} was already used for a different job "
+                             f"(model, prompt or sampling differ); use a new key")
+        return found
+
+    def _by_key(self, tenant: str, key: str) -> JobRecord | None:
+        row = self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE tenant=? AND idempotency_key=?", (tenant, key)).fetchone()
+        return _record(row)
+
+    def get(self, tenant: str, job_id: str) -> JobRecord:
+        """The job, or LookupError (another tenant's job is no job at all)."""
+        row = self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE tenant=? AND job_id=?", (tenant, job_id)).fetchone()
+        if row is None:
+            raise LookupError(job_id)
+        return _record(row)
+
+    def tokens(self, job_id: str, start: int, limit: int = MAX_TOKENS_PER_READ) -> list[tuple[int, str]]:
+        """Stored (token id, text) from index `start`, in order."""
+        rows = self._x("SELECT token_id, text FROM job_tokens WHERE job_id=? AND idx>=? ORDER BY idx LIMIT ?",
+                       (job_id, start, limit)).fetchall()
+        return [(int(r[0]), r[1]) for r in rows]
+
+    def cancel(self, tenant: str, job_id: str) -> JobRecord:
+        """Cancel a queued or running job (its owner finds out at its next write); a finished job is left as is."""
+        self._x("UPDATE jobs SET state='cancelled', finish_reason='cancelled', finished=?, lease_owner=NULL "
+                "WHERE tenant=? AND job_id=? AND state IN ('queued','running')", (time.time(), tenant, job_id))
+        return self.get(tenant, job_id)
+
+    def list(self, tenant: str, states: tuple[str, ...], after: tuple[float, str] | None, limit: int) -> list[JobRecord]:
+        """A tenant's jobs, oldest first, after the cursor (created, job_id)."""
+        where, args = ["tenant=?"], [tenant]
+        if states:
+            where.append(f"state IN ({','.join('?' * len(states))})")
+            args.extend(states)
+        if after is not None:
+            where.append("(created > ? OR (created = ? AND job_id > ?))")
+            args.extend((after[0], after[0], after[1]))
+        rows = self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE {' AND '.join(where)} "
+                       "ORDER BY created, job_id LIMIT ?", (*args, limit)).fetchall()
+        return [_record(r) for r in rows]
+
+    # ------------------------------------------------ runners (store's thread)
+
+    def claim(self, owner: str, lease_s: float, limit: int, max_attempts: int) -> list[JobRecord]:
+        """Take up to `limit` queued jobs, and running jobs whose lease expired, for `owner`.
+
+        Jobs past their deadline end `expired` here instead; jobs claimed `max_attempts` times
+        already end `failed` (something about them keeps killing frontends).
+        """
+        now = time.time()
+        lock = " FOR UPDATE SKIP LOCKED" if self.postgres else ""
+        claimed = []
+        with self._transaction():
+            rows = self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE state='queued' OR "
+                           f"(state='running' AND lease_expires < ?) ORDER BY created LIMIT ?{lock}",
+                           (now, limit)).fetchall()
+            for job in map(_record, rows):
+                if job.deadline is not None and job.deadline <= now:
+                    self._x("UPDATE jobs SET state='expired', finish_reason='deadline', error=?, finished=?, "
+                            "lease_owner=NULL, fence=fence+1 WHERE job_id=? AND fence=?",
+                            ("the job's deadline passed before it finished", now, job.job_id, job.fence))
+                elif job.attempts >= max_attempts:
+                    self._x("UPDATE jobs SET state='failed', error=?, finished=?, lease_owner=NULL, fence=fence+1 "
+                            "WHERE job_id=? AND fence=?",
+                            (f"the job was started {job.attempts} times and never finished; not started again",
+                             now, job.job_id, job.fence))
+                else:
+                    self._x("UPDATE jobs SET state='running', lease_owner=?, lease_expires=?, fence=fence+1, "
+                            "attempts=attempts+1 WHERE job_id=? AND fence=?", (owner, now + lease_s, job.job_id, job.fence))
+                    claimed.append(job.job_id)
+        return [self._get_any(j) for j in claimed]
+
+    def _get_any(self, job_id: str) -> JobRecord:
+        return _record(self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE job_id=?", (job_id,)).fetchone())
+
+    def append(self, job_id: str, fence: int, start: int, tokens: list[tuple[int, str]], lease_s: float) -> None:
+        """Store tokens from index `start` (which must be the next one), renewing the lease."""
+        with self._transaction():
+            self._owned_write("UPDATE jobs SET tokens=tokens+?, lease_expires=? WHERE job_id=? AND fence=? "
+                              "AND state='running' AND tokens=?",
+                              (len(tokens), time.time() + lease_s, job_id, fence, start))
+            self._insert_tokens(job_id, start, tokens)
+
+    def finish(self, job_id: str, fence: int, start: int, tokens: list[tuple[int, str]], state: str,
+               finish_reason: str | None, error: str | None) -> None:
+        """Store the last tokens and the outcome in one transaction: a job completes once."""
+        if state not in FINAL_STATES:
+            raise ValueError(f"not a final state: {state}")
+        with self._transaction():
+            self._owned_write("UPDATE jobs SET tokens=tokens+?, state=?, finish_reason=?, error=?, finished=?, "
+                              "lease_owner=NULL WHERE job_id=? AND fence=? AND state='running' AND tokens=?",
+                              (len(tokens), state, finish_reason, error, time.time(), job_id, fence, start))
+            self._insert_tokens(job_id, start, tokens)
+
+    def renew(self, leases: list[tuple[str, int]], lease_s: float) -> list[str]:
+        """Extend the leases (job id, fence) still held; returns the job ids whose lease is lost."""
+        lost = []
+        with self._transaction():
+            for job_id, fence in leases:
+                n = self._x("UPDATE jobs SET lease_expires=? WHERE job_id=? AND fence=? AND state='running'",
+                            (time.time() + lease_s, job_id, fence)).rowcount
+                if n == 0:
+                    lost.append(job_id)
+        return lost
+
+    def release(self, job_id: str, fence: int) -> None:
+        """Give a job back to the queue (shutting down, or the scheduler refused it for now); tokens stay."""
+        self._owned_write("UPDATE jobs SET state='queued', lease_owner=NULL, lease_expires=NULL "
+                          "WHERE job_id=? AND fence=? AND state='running'", (job_id, fence))
+
+    def _owned_write(self, sql: str, args: tuple) -> None:
+        if self._x(sql, args).rowcount != 1:
+            raise Fenced(args)
+
+    def _insert_tokens(self, job_id: str, start: int, tokens: list[tuple[int, str]]) -> None:
+        if not tokens:
+            return
+        rows = [(job_id, start + i, t, text) for i, (t, text) in enumerate(tokens)]
+        sql = "INSERT INTO job_tokens (job_id, idx, token_id, text) VALUES (?,?,?,?)"
+        if self.postgres:
+            with self._db.cursor() as cur:
+                cur.executemany(sql.replace("?", "%s"), rows)
+        else:
+            self._db.executemany(sql, rows)
+
+    def purge(self, retention_s: float) -> int:
+        """Forget jobs that finished more than `retention_s` ago, with their tokens."""
+        cutoff = time.time() - retention_s
+        with self._transaction():
+            self._x("DELETE FROM job_tokens WHERE job_id IN (SELECT job_id FROM jobs WHERE finished < ?)", (cutoff,))
+            return self._x("DELETE FROM jobs WHERE finished < ?", (cutoff,)).rowcount
+
+
+def _record(row) -> JobRecord | None:
+    if row is None:
+        return None
+    values = dict(zip(_COLUMNS, row))
+    values["request"] = bytes(values["request"])
+    return JobRecord(**values)

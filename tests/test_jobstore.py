@@ -1,0 +1,180 @@
+"""The job store on both backends: accepted jobs are recorded once, leases are fenced, tokens stay contiguous.
+
+Two `JobStore` instances on one database stand for two frontends (each has its own connection).
+PostgreSQL is a real server started by the tests (tests/postgres.py).
+"""
+
+import sqlite3
+import time
+
+import pytest
+
+from tokenline.server.errors import Unavailable
+from tokenline.server.jobstore import Fenced, JobStore, NewJob
+from tests.postgres import postgres  # noqa: F401 - the fixture
+
+LEASE_S = 0.3
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request, tmp_path):
+    if request.param == "sqlite":
+        return str(tmp_path / "jobs.sqlite3")
+    return request.getfixturevalue("postgres").database()
+
+
+@pytest.fixture
+def stores(target):
+    a, b = JobStore(target), JobStore(target)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def new_job(job_id, key="", fingerprint="fp", tenant="acme", deadline=None):
+    return NewJob(job_id=job_id, tenant=tenant, idempotency_key=key, fingerprint=fingerprint, model="tiny",
+                  request=b"\x00request", prompt_ids=[1, 2, 3], sampling={"max_tokens": 8}, cls=2, deadline=deadline)
+
+
+def test_a_key_records_one_job_and_refuses_different_work(stores):
+    a, b = stores
+    first, created = a.submit(new_job("j1", key="k"))
+    again, created_again = b.submit(new_job("j2", key="k"))
+    assert created and not created_again
+    assert again.job_id == first.job_id == "j1"
+    with pytest.raises(ValueError, match="different job"):
+        b.submit(new_job("j3", key="k", fingerprint="other"))
+    with pytest.raises(LookupError):
+        a.get("another-tenant", "j1")  # jobs are tenant-scoped
+
+
+def test_a_claimed_job_is_checkpointed_and_finished_once(stores):
+    a, b = stores
+    a.submit(new_job("j1"))
+    (job,) = a.claim("frontend-a", LEASE_S, 10, 5)
+    assert (job.state, job.attempts, job.fence) == ("running", 1, 1)
+    assert b.claim("frontend-b", LEASE_S, 10, 5) == []  # leased: nobody else takes it
+    a.append("j1", job.fence, 0, [(5, "a"), (6, "b")], LEASE_S)
+    a.finish("j1", job.fence, 2, [(7, "c")], "succeeded", "length", None)
+    done = b.get("acme", "j1")
+    assert (done.state, done.tokens, done.finish_reason) == ("succeeded", 3, "length")
+    assert b.tokens("j1", 1) == [(6, "b"), (7, "c")]
+    with pytest.raises(Fenced):
+        a.finish("j1", job.fence, 3, [], "succeeded", "length", None)  # a job completes once
+
+
+def test_an_expired_lease_is_taken_over_and_the_stale_owner_is_fenced(stores):
+    a, b = stores
+    a.submit(new_job("j1"))
+    (mine,) = a.claim("frontend-a", LEASE_S, 10, 5)
+    a.append("j1", mine.fence, 0, [(5, "a")], LEASE_S)
+    time.sleep(LEASE_S + 0.1)  # frontend a is frozen past its lease
+    (theirs,) = b.claim("frontend-b", LEASE_S, 10, 5)
+    assert theirs.fence == mine.fence + 1 and theirs.tokens == 1 and theirs.attempts == 2
+    # Resumed, a writes with its old token: every write is refused, nothing it sends is stored.
+    with pytest.raises(Fenced):
+        a.append("j1", mine.fence, 1, [(9, "x")], LEASE_S)
+    with pytest.raises(Fenced):
+        a.finish("j1", mine.fence, 1, [(9, "x")], "succeeded", "stop", None)
+    assert a.renew([("j1", mine.fence)], LEASE_S) == ["j1"]
+    b.append("j1", theirs.fence, 1, [(6, "b")], LEASE_S)
+    b.finish("j1", theirs.fence, 2, [], "succeeded", "stop", None)
+    assert a.tokens("j1", 0) == [(5, "a"), (6, "b")]
+
+
+def test_tokens_are_only_written_at_the_next_index(stores):
+    a, _ = stores
+    a.submit(new_job("j1"))
+    (job,) = a.claim("frontend-a", LEASE_S, 10, 5)
+    a.append("j1", job.fence, 0, [(5, "a")], LEASE_S)
+    with pytest.raises(Fenced):
+        a.append("j1", job.fence, 3, [(6, "b")], LEASE_S)  # a gap
+    with pytest.raises(Fenced):
+        a.append("j1", job.fence, 0, [(6, "b")], LEASE_S)  # a rewrite
+    assert a.tokens("j1", 0) == [(5, "a")]
+
+
+def test_a_cancelled_job_fences_its_runner(stores):
+    a, b = stores
+    a.submit(new_job("j1"))
+    (job,) = a.claim("frontend-a", LEASE_S, 10, 5)
+    assert b.cancel("acme", "j1").state == "cancelled"
+    with pytest.raises(Fenced):
+        a.append("j1", job.fence, 0, [(5, "a")], LEASE_S)
+    assert a.renew([("j1", job.fence)], LEASE_S) == ["j1"]
+
+
+def test_deadlines_and_attempts_end_jobs_at_claim(stores):
+    a, _ = stores
+    a.submit(new_job("late", deadline=time.time() - 1))
+    a.submit(new_job("crashy"))
+    for _ in range(2):
+        (job,) = a.claim("frontend-a", 0.01, 10, 2)
+        time.sleep(0.05)
+    assert a.claim("frontend-a", 0.01, 10, 2) == []
+    assert a.get("acme", "late").state == "expired"
+    assert a.get("acme", "crashy").state == "failed"
+
+
+def test_released_jobs_return_to_the_queue_with_their_tokens(stores):
+    a, b = stores
+    a.submit(new_job("j1"))
+    (job,) = a.claim("frontend-a", LEASE_S, 10, 5)
+    a.append("j1", job.fence, 0, [(5, "a")], LEASE_S)
+    a.release("j1", job.fence)
+    (again,) = b.claim("frontend-b", LEASE_S, 10, 5)
+    assert again.tokens == 1 and again.state == "running"
+
+
+def test_lists_are_tenant_scoped_paginated_and_filtered(stores):
+    a, _ = stores
+    for i in range(5):
+        a.submit(new_job(f"j{i}"))
+    a.submit(new_job("other", tenant="someone-else"))
+    a.cancel("acme", "j1")
+    page = a.list("acme", (), None, 2)
+    rest = a.list("acme", (), (page[-1].created, page[-1].job_id), 10)
+    assert [j.job_id for j in page + rest] == [f"j{i}" for i in range(5)]
+    assert [j.job_id for j in a.list("acme", ("cancelled",), None, 10)] == ["j1"]
+
+
+def test_finished_jobs_are_purged_after_retention(stores):
+    a, _ = stores
+    a.submit(new_job("old"))
+    a.submit(new_job("live"))
+    a.cancel("acme", "old")
+    time.sleep(0.05)
+    assert a.purge(0.01) == 1
+    with pytest.raises(LookupError):
+        a.get("acme", "old")
+    assert a.get("acme", "live").state == "queued"
+
+
+def test_a_locked_sqlite_file_answers_unavailable_and_recovers(tmp_path):
+    path = tmp_path / "jobs.sqlite3"
+    store = JobStore(str(path))
+    locker = sqlite3.connect(str(path), isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(Unavailable):
+            store._guarded(store.submit, new_job("j1"))
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    store._guarded(store.submit, new_job("j1"))
+    assert store._guarded(store.get, "acme", "j1").state == "queued"
+    store.close()
+
+
+def test_a_stopped_postgresql_answers_unavailable_and_the_store_reconnects(postgres):  # noqa: F811
+    store = JobStore(postgres.database())
+    store.submit(new_job("j1"))
+    postgres.stop()
+    try:
+        with pytest.raises(Unavailable):
+            store._guarded(store.submit, new_job("j2"))
+    finally:
+        postgres.start()
+    store._guarded(store.submit, new_job("j2"))
+    assert [j.job_id for j in store._guarded(store.list, "acme", (), None, 10)] == ["j1", "j2"]
+    store.close()
