@@ -1,0 +1,149 @@
+"""Capacity that follows backlog and deadline pressure, not utilisation: the autoscaler's decisions.
+
+A pure state machine with an injected clock, like the scheduler: `decide(now,
+pressure)` reads what the queue looks like for one model and returns what to
+do (add a worker, remove one, nothing), each with its reason. The supervisor
+carries the decisions out (a local process, or a Ray actor that Ray places) and
+reports back when a worker becomes ready or is gone.
+
+Why backlog and deadlines and not utilisation: a CPU worker at 100 % may be
+meeting every promise, and one at 60 % may be holding a queue whose oldest
+request is about to miss its deadline. So a worker is added when
+
+- the oldest queued request has waited longer than `max_queue_age_s` and the
+  queue is not already shrinking (a draining queue needs no more workers,
+  however old its head: adding then only overshoots), or
+- some queued request is predicted to miss its deadline (its predicted start
+  plus its remaining work is past the deadline), or
+- fewer warm workers are idle than `warm_standby` asks for: a worker that is
+  ready only after the deadline saves nothing, so spare capacity is started
+  *before* it is needed (the measured start-up time says how long before),
+
+and removed only when it has been idle for `cooldown_s` and the model has more
+than `min_workers` (and more than the warm reserve needs). Workers still
+starting count as capacity already asked for, so one burst does not start a
+worker per check; and after a change nothing more happens for
+`settle_s`, so the queue can show what the change did (no flapping).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """Limits and thresholds of the autoscaler for one model."""
+
+    min_workers: int = 1
+    max_workers: int = 4
+    max_queue_age_s: float = 2.0  # the oldest queued request may wait this long before a worker is added
+    warm_standby: int = 0  # idle, loaded workers to keep beyond what the load needs
+    cooldown_s: float = 30.0  # a worker idle this long may be removed
+    settle_s: float = 5.0  # after a change, wait this long before the next one of the same kind
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 0:
+            raise ValueError(f"min_workers={self.min_workers} is negative: give 0 or more")
+        if self.max_workers < max(1, self.min_workers):
+            raise ValueError(f"max_workers={self.max_workers} must be at least max(1, min_workers={self.min_workers})")
+        for name in ("max_queue_age_s", "cooldown_s", "settle_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value} must be a finite number of seconds, 0 or more")
+        if self.warm_standby < 0:
+            raise ValueError(f"warm_standby={self.warm_standby} is negative: give 0 or more")
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One ready worker as the autoscaler sees it."""
+
+    worker_id: int
+    running: int  # sequences it runs now
+    idle_since: float | None  # when it last became idle (no sequences); None while busy
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """What the queue of one model looks like now (the supervisor reads it off the scheduler)."""
+
+    queued: int  # requests waiting for a worker
+    oldest_queued_age_s: float  # 0 when none waits
+    predicted_misses: int  # queued requests predicted to miss their deadline with the workers there are
+    workers: tuple[WorkerLoad, ...]  # ready workers
+    starting: int  # workers asked for and not ready yet
+
+
+@dataclass(frozen=True)
+class AddWorker:
+    reason: str
+
+
+@dataclass(frozen=True)
+class RemoveWorker:
+    worker_id: int
+    reason: str
+
+
+Decision = AddWorker | RemoveWorker
+
+
+@dataclass
+class Autoscaler:
+    """Decides, for one model, when to add and remove workers. Call `decide` on a timer and after each step."""
+
+    config: AutoscaleConfig
+    last_add: float = -math.inf
+    last_remove: float = -math.inf
+    decisions: list[tuple[float, Decision]] = field(default_factory=list)  # what it decided, when (most recent last)
+    _last_queued: int | None = None
+
+
+    def decide(self, now: float, p: Pressure) -> list[Decision]:
+        cfg = self.config
+        total = len(p.workers) + p.starting
+        out: list[Decision] = []
+        idle = [w for w in p.workers if w.running == 0 and w.idle_since is not None]
+        add_reason = self._add_reason(p, len(idle))
+        self._last_queued = p.queued
+        if total < cfg.min_workers:
+            out = [AddWorker(f"{total} workers, fewer than the minimum {cfg.min_workers}")
+                   for _ in range(cfg.min_workers - total)]
+        elif add_reason and total < cfg.max_workers and p.starting == 0 and now - self.last_add >= cfg.settle_s:
+            out = [AddWorker(add_reason)]
+        elif not add_reason and p.queued == 0 and now - self.last_add >= cfg.settle_s:
+            out = self._removals(now, p, idle, total)
+        for d in out:
+            if isinstance(d, AddWorker):
+                self.last_add = now
+            else:
+                self.last_remove = now
+            self.decisions.append((now, d))
+        return out
+
+    def _add_reason(self, p: Pressure, idle: int) -> str | None:
+        cfg = self.config
+        if p.predicted_misses > 0:
+            return f"{p.predicted_misses} queued requests predicted to miss their deadline"
+        draining = self._last_queued is not None and p.queued < self._last_queued
+        if p.queued and p.oldest_queued_age_s > cfg.max_queue_age_s and not draining:
+            return f"oldest queued request waited {p.oldest_queued_age_s:.1f} s (limit {cfg.max_queue_age_s:.1f} s)"
+        if cfg.warm_standby and idle < cfg.warm_standby and p.starting == 0:
+            return f"{idle} idle warm workers, fewer than the {cfg.warm_standby} kept ready"
+        return None
+
+    def _removals(self, now: float, p: Pressure, idle: list[WorkerLoad], total: int) -> list[Decision]:
+        cfg = self.config
+        if now - self.last_remove < cfg.settle_s:
+            return []
+        keep = max(cfg.min_workers, sum(1 for w in p.workers if w.running) + cfg.warm_standby)
+        if total <= keep:
+            return []
+        # The longest idle first; one per settle period, so a returning load finds capacity.
+        for w in sorted(idle, key=lambda w: w.idle_since or now):
+            idle_s = now - (w.idle_since or now)
+            if idle_s >= cfg.cooldown_s:
+                return [RemoveWorker(w.worker_id, f"idle {idle_s:.0f} s (cool-down {cfg.cooldown_s:.0f} s)")]
+        return []
