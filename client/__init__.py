@@ -13,6 +13,7 @@ from ._async_client import AsyncClient, AsyncDeltaStream
 from ._channel import DEFAULT_TARGET, SERVICE_CONFIG, channel_options, service_config_json
 from ._convert import GenerateOptions
 from ._client import Client, DeltaStream
+from ._jobs import Job, JobChunk
 from ._timing import StreamTiming, itl_gaps, stream_timing
 from ._types import Completion, Delta, ModelInfo, ServerTimeline, Usage
 from .errors import (
@@ -46,6 +47,8 @@ __all__ = [
     "Delta",
     "DeltaStream",
     "InvalidRequest",
+    "Job",
+    "JobChunk",
     "ModelInfo",
     "NotFound",
     "Overloaded",

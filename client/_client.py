@@ -30,6 +30,7 @@ from ._convert import (
     delta_from_chunk,
     model_from_proto,
 )
+from ._jobs import Job, JobChunk, chunk_from_proto, job_from_proto, list_request, submit_request
 from ._types import Completion, Delta, ModelInfo
 from .errors import NotFound, error_from_rpc
 
@@ -207,6 +208,59 @@ class Client:
         except grpc.RpcError as error:
             raise error_from_rpc(error) from error
         return [model_from_proto(m) for m in response.models]
+
+    # ------------------------------------------------------------ durable jobs
+
+    def submit_job(self, prompt: str | None = None, *, timeout: float | None = 30.0,
+                   **options: Unpack[GenerateOptions]) -> Job:
+        """Record a generation as a durable job and return it once the server stored it.
+
+        Options as for `generate` (bulk unless `traffic_class` says otherwise); `deadline_s` is
+        the job's deadline; `idempotency_key` makes the submission safe to retry.
+        """
+        request = submit_request(prompt, options)
+        try:
+            return job_from_proto(self._stub.SubmitJob(request, timeout=timeout, metadata=self._metadata))
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+
+    def watch_job(self, job_id: str, from_index: int = 0, *, timeout: float | None = None) -> Iterator[JobChunk]:
+        """The job's stored tokens from `from_index` on, as they are stored; the last chunk has its end state."""
+        call = self._stub.WatchJob(pb.WatchJobRequest(job_id=job_id, from_index=from_index), timeout=timeout,
+                                   metadata=self._metadata)
+        try:
+            for chunk in call:
+                yield chunk_from_proto(chunk)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        finally:
+            call.cancel()
+
+    def get_job(self, job_id: str, *, timeout: float | None = 30.0) -> Job:
+        """The job's state, with the tokens stored so far (its whole result once it ended)."""
+        try:
+            return job_from_proto(self._stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=timeout,
+                                                    metadata=self._metadata))
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+
+    def cancel_job(self, job_id: str, *, timeout: float | None = 30.0) -> Job:
+        """Cancel a queued or running job; a finished one comes back unchanged."""
+        try:
+            return job_from_proto(self._stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=timeout,
+                                                       metadata=self._metadata))
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+
+    def list_jobs(self, states: Sequence[str] = (), *, page_size: int = 100, page_token: str = "",
+                  timeout: float | None = 30.0) -> tuple[list[Job], str]:
+        """One page of your jobs, oldest first, and the token of the next page ("" after the last)."""
+        try:
+            response = self._stub.ListJobs(list_request(tuple(states), page_size, page_token), timeout=timeout,
+                                           metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return [job_from_proto(j) for j in response.jobs], response.next_page_token
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN".

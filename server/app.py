@@ -21,6 +21,8 @@ from tokenline.engine.watchdog import StepWatchdog
 from tokenline.server.auth import Authenticator
 from tokenline.server.catalog import ServedModel, load_served_model
 from tokenline.server.idempotency import IdempotencyStore
+from tokenline.server.jobrunner import JobConfig, JobRunner
+from tokenline.server.jobstore import JobStore
 from tokenline.server.convert import Limits
 from tokenline.server.runtime import Runtime
 from tokenline.server.servicer import TokenlineServicer, add_to_server
@@ -55,6 +57,7 @@ class ServeConfig:
     # step, if more) is declared lost and killed; 0 turns the watchdog off.
     step_watchdog_s: float = 5.0
     step_log: str | None = None  # a JSON-lines file with one line per worker step (server/steplog.py)
+    jobs: JobConfig | None = None  # durable jobs (server/jobrunner.py); None: the job RPCs answer UNIMPLEMENTED
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -121,6 +124,16 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
                                  on_done=telemetry.on_request_done, on_refused=telemetry.on_refused,
                                  on_shared=telemetry.on_shared)
     add_to_server(servicer, server)
+    jobs = None
+    if config.jobs is not None:
+        try:
+            job_store = await asyncio.to_thread(JobStore, config.jobs.store)
+        except Exception as err:  # a store that cannot open stops the server: accepted jobs would be lost
+            print(f"tokenline: cannot open the job store: {err}", file=sys.stderr, flush=True)
+            await runtime.close()
+            await asyncio.to_thread(telemetry.shutdown)
+            return 1
+        jobs = servicer.jobs = JobRunner(job_store, runtime, config.jobs)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -159,6 +172,9 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     if ready.done() and ready.result():
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
         print(f"tokenline: serving on {config.host}:{port}", flush=True)
+        if jobs is not None:
+            jobs.start()
+            print(f"tokenline: running jobs from {jobs.store.description} as {jobs.owner}", flush=True)
 
         def follow_workers(serving: bool) -> None:
             # A model with no live worker (one died, being restarted) is reported NOT_SERVING.
@@ -179,6 +195,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     # Drain: stop taking work, let running streams finish within the grace period.
     print("tokenline: draining", flush=True)
     servicer.draining = True
+    if jobs is not None:
+        await jobs.stop()  # this server's jobs go back to the queue, their tokens kept
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     end = time.monotonic() + config.grace_s
     while (servicer.inflight or not runtime.idle()) and time.monotonic() < end:
@@ -187,6 +205,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     await runtime.close()
     if idempotency is not None:
         idempotency.close()
+    if jobs is not None:
+        jobs.store.close()
     await asyncio.to_thread(telemetry.shutdown)
     print("tokenline: stopped", flush=True)
     return status

@@ -81,6 +81,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="SQLite file for idempotency keys (default: <cache>/idempotency-<port>.sqlite3, one per server; "
                         "with --port 0, in memory; 'off' disables)")
     p.add_argument("--idempotency-ttl-s", type=float, default=86_400.0, help="how long results are kept (default one day)")
+    p.add_argument("--job-store", default=None, metavar="PATH|URI",
+                   help="where durable jobs live: a SQLite file, or postgresql://… shared by several servers "
+                        "(default: <cache>/jobs-<port>.sqlite3, one per server; with --port 0, in memory; 'off' disables)")
+    p.add_argument("--job-lease-s", type=float, default=10.0,
+                   help="a dead server's jobs are taken over this long after its last heartbeat (default %(default)s)")
+    p.add_argument("--job-retention-s", type=float, default=7 * 86_400.0,
+                   help="how long finished jobs and their tokens are kept (default one week)")
+    p.add_argument("--jobs-running", type=int, default=32, help="jobs this server runs at once (default %(default)s)")
+    p.add_argument("--job-attempts", type=int, default=5,
+                   help="times a job is started (across server deaths) before it ends failed (default %(default)s)")
     p.add_argument("--request-log-level", default="INFO",
                    help="level of the one key=value line per finished request, or OFF (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -122,12 +132,13 @@ def run_serve(args: argparse.Namespace) -> int:
             bulk=ClassConfig(args.bulk_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),
             bulk_floor=args.bulk_floor,
         )
+        jobs = _job_config(args)
         config = ServeConfig(host=args.host, port=args.port, models=((worker, plan.workers),), scheduler=sched,
                              grace_s=args.grace_s, fault_marker=args.fault_marker,
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
-                             step_log=args.step_log,
+                             step_log=args.step_log, jobs=jobs,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:
@@ -149,6 +160,27 @@ def _idempotency_db(value: str | None, port: int) -> str | None:
     # One store per server (by its port): servers a user runs side by side never share or lock
     # one file. On a random port nobody can find the server again after a restart: keep it in memory.
     return ":memory:" if port == 0 else str(cache_dir() / f"idempotency-{port}.sqlite3")
+
+
+def _job_config(args: argparse.Namespace):
+    from tokenline.server.jobrunner import JobConfig
+
+    store = _job_store(args.job_store, args.port)
+    if store is None:
+        return None
+    return JobConfig(store=store, lease_s=args.job_lease_s, retention_s=args.job_retention_s,
+                     max_running=args.jobs_running, max_attempts=args.job_attempts)
+
+
+def _job_store(value: str | None, port: int) -> str | None:
+    from tokenline.engine.models import cache_dir
+
+    if value == "off":
+        return None
+    if value:
+        return value
+    # As for idempotency keys: one file per server port; a random port cannot be found again.
+    return ":memory:" if port == 0 else str(cache_dir() / f"jobs-{port}.sqlite3")
 
 
 def add_keys_parser(sub: argparse._SubParsersAction) -> None:
@@ -187,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_generate_parser(sub)
+    from tokenline.client.jobcli import add_job_parser
+
+    add_job_parser(sub)
     add_keys_parser(sub)
     try:
         from tokenline.bench.cli import add_bench_parser
@@ -207,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         from tokenline.client.cli import run_generate
 
         return run_generate(args)
+    if args.command == "job":
+        return args.func(args)
     if args.command == "bench":
         from tokenline.bench.cli import run_bench
 

@@ -11,7 +11,8 @@
     ├── Quarantined                   FAILED_PRECONDITION: this request keeps crashing workers
     ├── IdempotencyMismatch           FAILED_PRECONDITION: key reused for different work
     ├── RunLost                       ABORTED: a resumed stream's run is gone; start again from token 0
-    └── Unauthenticated               UNAUTHENTICATED: missing or wrong credentials
+    ├── Unauthenticated               UNAUTHENTICATED: missing or wrong credentials
+    └── JobsOff                       UNIMPLEMENTED: this server keeps no job store
 
 Messages are for the caller: they say what to change, never how the server is built.
 """
@@ -74,6 +75,10 @@ class RunLost(ServingError):
 
 class Unauthenticated(ServingError):
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class JobsOff(ServingError):
+    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"

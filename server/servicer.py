@@ -28,6 +28,7 @@ from tokenline.server.errors import (
     abort_with,
 )
 from tokenline.server.idempotency import IdempotencyStore
+from tokenline.server.jobrpcs import JobRpcs
 from tokenline.server.runtime import RequestKey, RequestState, Runtime, fingerprint
 from tokenline.server.timeline import Timeline
 from tokenline.v1 import tokenline_pb2 as pb
@@ -36,7 +37,7 @@ from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 log = logging.getLogger("tokenline.requests")
 
 
-class TokenlineServicer(pb_grpc.TokenlineServicer):
+class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
     def __init__(self, runtime: Runtime, models: dict[str, ServedModel], default_model: str, limits: convert.Limits,
                  *, fault_marker: str | None = None, on_done: Callable[[RequestState, str], None] | None = None,
                  on_refused: Callable[[pb.GenerateRequest, ServingError, str], None] | None = None,
@@ -388,6 +389,17 @@ def add_to_server(servicer: TokenlineServicer, server: grpc.aio.Server) -> None:
                                                       response_serializer=pb.CancelResponse.SerializeToString),
         "ListModels": grpc.unary_unary_rpc_method_handler(servicer.ListModels, request_deserializer=_parse(pb.ListModelsRequest),
                                                           response_serializer=pb.ListModelsResponse.SerializeToString),
+        # Durable jobs (server/jobrpcs.py).
+        "SubmitJob": grpc.unary_unary_rpc_method_handler(servicer.SubmitJob, request_deserializer=_parse(pb.SubmitJobRequest),
+                                                         response_serializer=pb.Job.SerializeToString),
+        "WatchJob": grpc.unary_stream_rpc_method_handler(servicer.WatchJob, request_deserializer=_parse(pb.WatchJobRequest),
+                                                         response_serializer=pb.JobChunk.SerializeToString),
+        "GetJob": grpc.unary_unary_rpc_method_handler(servicer.GetJob, request_deserializer=_parse(pb.GetJobRequest),
+                                                      response_serializer=pb.Job.SerializeToString),
+        "CancelJob": grpc.unary_unary_rpc_method_handler(servicer.CancelJob, request_deserializer=_parse(pb.CancelJobRequest),
+                                                         response_serializer=pb.Job.SerializeToString),
+        "ListJobs": grpc.unary_unary_rpc_method_handler(servicer.ListJobs, request_deserializer=_parse(pb.ListJobsRequest),
+                                                        response_serializer=pb.ListJobsResponse.SerializeToString),
     }
     service = pb.DESCRIPTOR.services_by_name["Tokenline"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -1,0 +1,350 @@
+"""Runs durable jobs in this frontend: claims them from the job store and drives them through the runtime.
+
+A claimed job becomes a `RequestState` submitted to the same `Runtime` the
+streaming RPCs use (same scheduler, classes, deadlines, worker-crash retries).
+A job taken over from a dead frontend starts with its checkpointed tokens as
+already delivered, so the runtime's continuation generates only the rest.
+Tokens are checkpointed in batches (every `checkpoint_s`) on the store's
+thread; watchers read only what the store holds. A heartbeat renews the
+leases; a job whose lease was lost (taken over, cancelled) is stopped here,
+and every write it still attempts is fenced by the store.
+
+Each job that reaches its end state here is logged once ("job … ended …"),
+which `bench jobs` counts across frontends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+from tokenline.engine.types import FinishReason, Sampling, TrafficClass
+from tokenline.server.errors import DeadlineUnmeetable, Overloaded, ServingError, Unavailable
+from tokenline.server.jobstore import Fenced, JobRecord, JobStore
+from tokenline.server.runtime import RequestKey, RequestState, Runtime
+from tokenline.server.timeline import Timeline
+
+log = logging.getLogger("tokenline.jobs")
+
+_SUCCESS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING)
+STORE_RETRY_S = 0.5
+PURGE_EVERY_S = 60.0
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Where jobs are stored and how this frontend runs them."""
+
+    store: str  # SQLite file, or a postgresql:// URI shared by several frontends
+    lease_s: float = 10.0  # a dead frontend's jobs are taken over this long after its last heartbeat
+    retention_s: float = 7 * 86_400.0  # finished jobs (and their tokens) are kept this long
+    max_running: int = 32  # jobs this frontend runs at once (the rest wait in the store)
+    max_attempts: int = 5  # claims per job: one that keeps killing frontends ends `failed`
+    checkpoint_s: float = 0.05  # tokens are written in batches at most this often per job
+    poll_s: float = 0.5  # how often the store is asked for jobs (and watchers look for other frontends' tokens)
+
+    def __post_init__(self) -> None:
+        if self.lease_s <= 0:
+            raise ValueError(f"--job-lease-s must be > 0, got {self.lease_s}")
+        if self.retention_s <= 0:
+            raise ValueError(f"--job-retention-s must be > 0, got {self.retention_s}")
+        if self.max_running < 1:
+            raise ValueError(f"--jobs-running must be >= 1, got {self.max_running}")
+        if self.max_attempts < 1:
+            raise ValueError(f"--job-attempts must be >= 1, got {self.max_attempts}")
+
+
+def job_fingerprint(model: str, sampling: Sampling, prompt_ids: list[int]) -> str:
+    """What makes two submissions the same work (an idempotency key's check)."""
+    h = hashlib.sha256(f"{model}|{sampling!r}|".encode())
+    h.update(",".join(map(str, prompt_ids)).encode())
+    return h.hexdigest()
+
+
+def sampling_from_json(text: str) -> Sampling:
+    values = json.loads(text)
+    values["stop"] = tuple(values.get("stop", ()))
+    return Sampling(**values)
+
+
+class JobRunner:
+    def __init__(self, store: JobStore, runtime: Runtime, config: JobConfig):
+        self.store = store
+        self.runtime = runtime
+        self.config = config
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._running: dict[str, _Running] = {}
+        self._progress: dict[str, asyncio.Event] = {}  # job id -> set at its next checkpoint here
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(f()) for f in (self._claim_loop, self._heartbeat_loop, self._purge_loop)]
+
+    async def stop(self) -> None:
+        """Stop claiming, stop this frontend's runs and give their jobs back to the queue (tokens kept)."""
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        running = list(self._running.values())
+        for r in running:
+            if r.state is not None:
+                self.runtime.cancel(r.state.key)
+        await asyncio.gather(*(r.task for r in running), return_exceptions=True)
+
+    def wake(self) -> None:
+        """A job was submitted here: look for work now rather than at the next poll."""
+        self._wake.set()
+
+    def progress(self, job_id: str) -> asyncio.Event:
+        """An event set when this frontend next stores tokens of the job (watchers wait on it)."""
+        return self._progress.setdefault(job_id, asyncio.Event())
+
+    def cancel_local(self, job_id: str) -> None:
+        r = self._running.get(job_id)
+        if r is not None and r.state is not None:
+            self.runtime.cancel(r.state.key)
+
+    def _notify(self, job_id: str) -> None:
+        event = self._progress.pop(job_id, None)
+        if event is not None:
+            event.set()
+
+    # ---------------------------------------------------------------- loops
+
+    async def _claim_loop(self) -> None:
+        while not self._stopping:
+            free = self.config.max_running - len(self._running)
+            if free > 0:
+                try:
+                    claimed = await self.store.call("claim", self.owner, self.config.lease_s, free, self.config.max_attempts)
+                except Unavailable:
+                    claimed = []
+                for job in claimed:
+                    log.info("job %s claimed (attempt %d, %d tokens stored)", job.job_id, job.attempts, job.tokens)
+                    self._running[job.job_id] = _Running(job, asyncio.ensure_future(self._run(job)))
+                if len(claimed) == free:
+                    continue  # there may be more waiting
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_s / 3)
+            leases = [(job_id, r.job.fence) for job_id, r in self._running.items()]
+            if not leases:
+                continue
+            try:
+                lost = await self.store.call("renew", leases, self.config.lease_s)
+            except Unavailable:
+                continue  # the fence still guards every write; renew when the store is back
+            for job_id in lost:
+                r = self._running.get(job_id)
+                if r is not None:
+                    log.warning("job %s: lease lost (taken over or cancelled); stopping its run here", job_id)
+                    r.fenced = True
+                    if r.state is not None:
+                        self.runtime.cancel(r.state.key)
+
+    async def _purge_loop(self) -> None:
+        while True:
+            try:
+                purged = await self.store.call("purge", self.config.retention_s)
+                if purged:
+                    log.info("purged %d finished jobs older than %.0f s", purged, self.config.retention_s)
+            except Unavailable:
+                pass
+            await asyncio.sleep(min(PURGE_EVERY_S, self.config.retention_s))
+
+    # ---------------------------------------------------------------- one job
+
+    async def _run(self, job: JobRecord) -> None:
+        try:
+            await self._drive(job)
+        except Exception:
+            log.exception("job %s: runner failed; its lease will expire and it will be taken over", job.job_id)
+        finally:
+            self._running.pop(job.job_id, None)
+
+    async def _drive(self, job: JobRecord) -> None:
+        sampling = sampling_from_json(job.sampling)
+        stored = await self._stored_tokens(job.job_id, job.tokens)
+        if stored is None:
+            return
+        if len(stored) >= sampling.max_tokens:  # every token was stored before the last owner could say so
+            await self._end(job, len(stored), [], "succeeded", FinishReason.LENGTH, None)
+            return
+        state = self._state(job, sampling, stored)
+        mailbox = state.subscribe(len(stored))
+        try:
+            self.runtime.submit(state)
+        except (Overloaded, Unavailable) as err:
+            log.info("job %s: not started now (%s); back to the queue", job.job_id, err.message)
+            await self._release(job)
+            return
+        except ServingError as err:
+            await self._end(job, len(stored), [], _failed_state(err), None, err.message)
+            return
+        checkpoint = _Checkpoint(len(stored))
+        reader = asyncio.ensure_future(self._read(state, mailbox, checkpoint))
+        running = self._running[job.job_id]
+        running.state = state
+        while not reader.done():
+            changed = asyncio.ensure_future(checkpoint.changed.wait())
+            await asyncio.wait({reader, changed}, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            if reader.done():
+                break
+            await asyncio.sleep(self.config.checkpoint_s)  # gather a batch
+            if not await self._write(job, checkpoint, running, state):
+                reader.cancel()
+                state.unsubscribe(mailbox)
+                return
+        error = reader.exception() if not reader.cancelled() else None
+        state.unsubscribe(mailbox)
+        if running.fenced:
+            return
+        if self._stopping and (isinstance(error, Unavailable) or state.finish_reason == FinishReason.CANCELLED):
+            await self._write(job, checkpoint, running, state)
+            await self._release(job)
+            return
+        if isinstance(error, ServingError):
+            outcome, reason, message = _failed_state(error), None, error.message
+        elif state.finish_reason in _SUCCESS:
+            outcome, reason, message = "succeeded", state.finish_reason, None
+        elif state.finish_reason == FinishReason.DEADLINE:
+            outcome, reason, message = "expired", state.finish_reason, "the job's deadline passed before it finished"
+        else:  # cancelled: CancelJob already ended it in the store
+            outcome, reason, message = "cancelled", state.finish_reason, None
+        await self._end(job, checkpoint.stored, checkpoint.take(), outcome, reason, message)
+
+    def _state(self, job: JobRecord, sampling: Sampling, stored: list[tuple[int, str]]) -> RequestState:
+        now = time.monotonic()
+        deadline = None if job.deadline is None else now + (job.deadline - time.time())
+        state = RequestState(key=RequestKey(job.tenant, f"job:{job.job_id}"), model=job.model, cls=TrafficClass(job.cls),
+                             prompt_ids=json.loads(job.prompt_ids), sampling=sampling,
+                             timeline=Timeline(received=now, validated=now), deadline=deadline)
+        if stored:
+            # Taken over: the checkpointed tokens are delivered; the runtime continues after them,
+            # as it continues a run after a worker crash.
+            state.token_ids.extend(t for t, _ in stored)
+            state.text.extend(text for _, text in stored)
+            entry = getattr(state, "entry", None)
+            if entry is not None and hasattr(entry, "generated"):
+                entry.generated = len(stored)
+        return state
+
+    async def _read(self, state: RequestState, mailbox: asyncio.Queue, checkpoint: _Checkpoint) -> None:
+        async for chunk in self.runtime.events(state, mailbox, checkpoint.next_index):
+            end = chunk.index + len(chunk.token_ids)
+            checkpoint.add(list(zip(state.token_ids[chunk.index:end], state.text[chunk.index:end])))
+
+    async def _write(self, job: JobRecord, checkpoint: _Checkpoint, running: _Running, state: RequestState) -> bool:
+        """Store the tokens gathered so far; False when the job is no longer this frontend's."""
+        batch = checkpoint.take()
+        if not batch:
+            return True
+        try:
+            await self.store.call("append", job.job_id, job.fence, checkpoint.stored, batch, self.config.lease_s)
+        except Unavailable:
+            checkpoint.put_back(batch)  # kept in memory; written when the store answers again
+            await asyncio.sleep(STORE_RETRY_S)
+            return True
+        except Fenced:
+            log.warning("job %s: fenced (another frontend took it over, or it was cancelled); its run here stops",
+                        job.job_id)
+            running.fenced = True
+            self.runtime.cancel(state.key)
+            return False
+        checkpoint.stored += len(batch)
+        self._notify(job.job_id)
+        return True
+
+    async def _end(self, job: JobRecord, start: int, tokens: list, outcome: str, reason: FinishReason | None,
+                   message: str | None) -> None:
+        """Write the last tokens and the outcome; retried while the store is away (the job is accepted work)."""
+        reason_name = reason.name.lower() if reason is not None else None
+        while True:
+            try:
+                await self.store.call("finish", job.job_id, job.fence, start, tokens, outcome, reason_name, message)
+            except Unavailable:
+                if self._stopping:
+                    return  # the lease expires; whoever takes the job over finishes it
+                await asyncio.sleep(STORE_RETRY_S)
+                continue
+            except Fenced:
+                log.info("job %s: not ended here (cancelled, or taken over)", job.job_id)
+                return
+            log.info("job %s ended %s after %d tokens (attempt %d, owner %s)", job.job_id, outcome, start + len(tokens),
+                     job.attempts, self.owner)
+            self._notify(job.job_id)
+            return
+
+    async def _release(self, job: JobRecord) -> None:
+        try:
+            await self.store.call("release", job.job_id, job.fence)
+        except (Unavailable, Fenced):
+            pass  # the lease expires instead
+        self._notify(job.job_id)
+
+    async def _stored_tokens(self, job_id: str, count: int) -> list[tuple[int, str]] | None:
+        out: list[tuple[int, str]] = []
+        try:
+            while len(out) < count:
+                got = await self.store.call("tokens", job_id, len(out))
+                if not got:
+                    break
+                out.extend(got)
+        except Unavailable:
+            return None  # not started; the lease expires and the job is claimed again
+        return out
+
+
+@dataclass
+class _Running:
+    job: JobRecord
+    task: asyncio.Task
+    state: RequestState | None = None
+    fenced: bool = False
+
+
+class _Checkpoint:
+    """Tokens produced but not yet stored, and how many are stored."""
+
+    def __init__(self, stored: int):
+        self.stored = stored
+        self.pending: list[tuple[int, str]] = []
+        self.changed = asyncio.Event()
+
+    @property
+    def next_index(self) -> int:
+        return self.stored + len(self.pending)
+
+    def add(self, tokens: list[tuple[int, str]]) -> None:
+        self.pending.extend(tokens)
+        self.changed.set()
+
+    def take(self) -> list[tuple[int, str]]:
+        batch, self.pending = self.pending, []
+        self.changed.clear()
+        return batch
+
+    def put_back(self, batch: list[tuple[int, str]]) -> None:
+        self.pending[:0] = batch
+
+
+def _failed_state(err: ServingError) -> str:
+    return "expired" if isinstance(err, DeadlineUnmeetable) else "failed"
