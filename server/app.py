@@ -10,6 +10,7 @@ import sys
 import time
 import pathlib
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +29,9 @@ from tokenline.server.runtime import Runtime
 from tokenline.server.servicer import TokenlineServicer, add_to_server
 from tokenline.server.telemetry import Telemetry, TelemetryConfig
 from tokenline.v1 import tokenline_pb2 as pb
+
+if TYPE_CHECKING:
+    from tokenline.server.web import WebConfig
 
 log = logging.getLogger("tokenline.server")
 
@@ -57,6 +61,7 @@ class ServeConfig:
     # step, if more) is declared lost and killed; 0 turns the watchdog off.
     step_watchdog_s: float = 5.0
     step_log: str | None = None  # a JSON-lines file with one line per worker step (server/steplog.py)
+    web: "WebConfig | None" = None  # gRPC-Web and the browser page on a second port (server/web.py); None: off
     jobs: JobConfig | None = None  # durable jobs (server/jobrunner.py); None: the job RPCs answer UNIMPLEMENTED
 
     def __post_init__(self) -> None:
@@ -124,6 +129,12 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
                                  on_done=telemetry.on_request_done, on_refused=telemetry.on_refused,
                                  on_shared=telemetry.on_shared)
     add_to_server(servicer, server)
+    web = None
+    if config.web is not None:
+        from tokenline.server.web import WebServer
+
+        web = WebServer(config.web)
+        add_to_server(servicer, web.gateway)  # the same servicer: same RPCs, auth, deadlines, statuses
     jobs = None
     if config.jobs is not None:
         try:
@@ -150,6 +161,15 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         port = server.add_insecure_port(address)
     if not auth.enabled:
         log.warning("authentication is OFF: every caller is tenant %r (give --api-keys or --tls-client-ca to turn it on)", "default")
+    if web is not None:
+        try:
+            web_port = await web.start()
+        except OSError as err:
+            print(f"tokenline: cannot open the web port {config.web.port}: {err}", file=sys.stderr, flush=True)
+            await runtime.close()
+            await asyncio.to_thread(telemetry.shutdown)
+            return 1
+        print(f"tokenline: gRPC-Web and the page on http://{config.web.host}:{web_port}/", flush=True)
     await server.start()
     print(f"tokenline: listening on {config.host}:{port} (default model {default_model}); loading workers…", flush=True)
     if telemetry.metrics_address is not None:
@@ -202,6 +222,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     while (servicer.inflight or not runtime.idle()) and time.monotonic() < end:
         await asyncio.sleep(0.05)
     await server.stop(max(end - time.monotonic(), 0.0))
+    if web is not None:
+        await web.stop()
     await runtime.close()
     if idempotency is not None:
         idempotency.close()

@@ -17,6 +17,7 @@ SERVE_EXAMPLES = """examples:
   tokenline serve --engine sim --model tiny        # simulated engine: no vLLM, deterministic cost model
   tokenline serve --metrics-port 9464              # Prometheus metrics on http://127.0.0.1:9464/metrics
   tokenline serve --otlp-endpoint http://localhost:4317   # metrics and traces to an OpenTelemetry collector
+  tokenline serve --web-port 8080                  # gRPC-Web and the browser page on http://127.0.0.1:8080/
 """
 
 
@@ -98,6 +99,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--otlp-endpoint", default=None,
                    help="send metrics and traces by OTLP/gRPC to this collector, e.g. http://localhost:4317 "
                         "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else off)")
+    p.add_argument("--web-port", type=int, default=None,
+                   help="serve gRPC-Web (the same API, keys and deadlines) and the browser page on this port, on "
+                        "--host (0 picks a free one; default off)")
+    p.add_argument("--web-cors-origin", default=None, metavar="ORIGIN",
+                   help="let pages from ORIGIN (e.g. https://app.example.com, or *) call the gRPC-Web port "
+                        "(default: only the page the port serves itself)")
+    p.add_argument("--web-root", default=None, metavar="DIR",
+                   help="folder of the page's files, read at start (default: the build/web that `make web` writes)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -138,7 +147,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
-                             step_log=args.step_log, jobs=jobs,
+                             step_log=args.step_log, web=_web_config(args), jobs=jobs,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:
@@ -148,6 +157,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)
+
+
+def _web_config(args: argparse.Namespace):
+    if args.web_port is None:
+        return None
+    from tokenline.server.web import WebConfig
+
+    return WebConfig(port=args.web_port, host=args.host, cors_origin=args.web_cors_origin, root=args.web_root,
+                     tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def _idempotency_db(value: str | None, port: int) -> str | None:

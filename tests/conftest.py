@@ -19,7 +19,8 @@ TINY_ARGS = ("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--ma
 def tiny_server():
     """The real vLLM engine on the tiny random model (gibberish text: assert on token counts)."""
     port = free_port()
-    server = ServerProcess(*TINY_ARGS, "--metrics-port", str(port)).start()
+    # With the gRPC-Web port too: tests/test_web.py drives the page and gRPC-Web against it.
+    server = ServerProcess(*TINY_ARGS, "--metrics-port", str(port), "--web-port", "0").start()
     server.metrics_port = port
     yield server
     server.stop()

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 READY = re.compile(r"tokenline: serving on (\S+):(\d+)")
 LISTENING = re.compile(r"tokenline: listening on (\S+):(\d+)")
+WEB = re.compile(r"tokenline: gRPC-Web and the page on (http://\S+:\d+)/")
 
 
 class ServerProcess:
@@ -29,6 +30,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.lines: deque[str] = deque(maxlen=2000)
         self.address: str | None = None
+        self.web_url: str | None = None  # with --web-port: http://host:port
         self._ready = threading.Event()
         self._listening = threading.Event()
 
@@ -54,6 +56,9 @@ class ServerProcess:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+            web = WEB.search(line)
+            if web:
+                self.web_url = web.group(1)
             m = LISTENING.search(line)
             if m:
                 self.address = f"{m.group(1)}:{m.group(2)}"

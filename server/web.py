@@ -1,0 +1,317 @@
+"""gRPC-Web and the browser page on a second port (`tokenline serve --web-port N`).
+
+The browser calls the *same* servicer instance the gRPC port serves, registered through the same
+add-function, so every RPC, the bearer-key auth, deadlines (`grpc-timeout`) and error statuses are
+those of the native path. The HTTP/1.1 server is uvicorn, in the gRPC server's own event loop.
+
+sonora (a gRPC-Web ASGI library) gives the wire format: message and trailer framing, the
+grpc-web-text variant, `grpc-timeout` parsing and handler registration. Its ASGI call flow is not
+used: in 0.2.3 an error after the first streamed message starts a second HTTP response, a
+disconnect is only noticed when the next message is sent, the CORS origin echoes the Host header,
+and its context lacks the `done()`/`cancelled()` the servicer asks before aborting. `WebGateway`
+owns that flow instead: one task per call, cancelled when the caller disconnects or its deadline
+passes (what grpc core does on the native port), and errors sent in trailers whenever they happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mimetypes
+import pathlib
+import socket
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import grpc
+from sonora import protocol
+from sonora.asgi import ServicerContext, grpcASGI
+
+log = logging.getLogger("tokenline.web")
+
+# Where `make web` puts the page and its bundle (an editable install: the repository's build/).
+DEFAULT_ROOT = pathlib.Path(__file__).resolve().parent.parent / "build" / "web"
+NOT_BUILT = b"""<!doctype html><meta charset="utf-8"><title>tokenline</title>
+<p>The tokenline page is not built. Run <code>make web</code> (it needs Node.js and npm) and reload.
+The gRPC-Web API on this port works without it.</p>
+"""
+# What a browser page may send and read across origins (with --web-cors-origin).
+CORS_REQUEST_HEADERS = b"authorization, content-type, grpc-timeout, x-grpc-web, x-user-agent, connect-protocol-version"
+CORS_EXPOSE_HEADERS = b"grpc-status, grpc-message, grpc-status-details-bin, grpc-retry-pushback-ms"
+# grpc-message is percent-encoded: everything printable but '%' stays as it is (the gRPC spec).
+_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    port: int  # 0 picks a free one
+    host: str = "127.0.0.1"
+    cors_origin: str | None = None  # an origin allowed to call from another page, or "*"; None: same origin only
+    root: str | None = None  # folder with index.html, app.js, style.css; None: DEFAULT_ROOT
+    max_message_bytes: int = 4 * 1024 * 1024
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--web-port must be in 0..65535, got {self.port}")
+
+
+class WebContext(ServicerContext):
+    """sonora's context plus what the servicer asks of a grpc.aio context."""
+
+    def __init__(self, timeout: float | None, metadata: list, peer: str):
+        super().__init__(timeout, metadata, enable_cors=False)
+        self._peer = peer
+        self._done = False
+        self._cancelled = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def peer(self) -> str:
+        return self._peer
+
+    def auth_context(self) -> dict:
+        return {}  # no client certificates over gRPC-Web: callers authenticate with bearer keys
+
+
+class WebGateway(grpcASGI):
+    """An ASGI app: gRPC-Web calls to the registered handlers; GET serves the page's files."""
+
+    def __init__(self, config: WebConfig, files: dict[str, tuple[bytes, str]]):
+        super().__init__(application=None, enable_cors=False)
+        self.config = config
+        self.files = files
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: dict) -> None:
+        # Generated add-functions (grpcio >= 1.62) also call this; the generic handler they register suffices.
+        pass
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        handler = self._get_rpc_handler(path)
+        if method == "OPTIONS":
+            await self._preflight(scope, send)
+        elif handler is not None and method == "POST":
+            await self._call(handler, scope, receive, send)
+        elif handler is None and method in ("GET", "HEAD"):
+            await self._file(path, method, send)
+        else:
+            await _plain(send, 405 if handler is not None else 404, self._cors_headers(scope))
+
+    # ------------------------------------------------------------------ calls
+
+    async def _call(self, handler: grpc.RpcMethodHandler, scope, receive, send) -> None:
+        headers = [(k.decode("latin-1"), v) for k, v in scope["headers"]]
+        timeout = next((protocol.parse_timeout(v) for k, v in headers if k == "grpc-timeout"), None)
+        metadata = [(k, _metadata_value(k, v)) for k, v in headers if k != "grpc-timeout"]
+        client = scope.get("client") or ("", 0)
+        context = WebContext(timeout, metadata, f"ipv4:{client[0]}:{client[1]}")
+        reply = _Reply(send, context, self._cors_headers(scope))
+        if handler.request_streaming:
+            return await reply.end(grpc.StatusCode.UNIMPLEMENTED, "client streaming is not offered over gRPC-Web")
+        request = await self._read_request(receive, context, reply)
+        if request is None:
+            return
+        work = asyncio.ensure_future(self._respond(handler, handler.request_deserializer(request), context, reply))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the caller went away: stop its call, as grpc core does
+                context._cancelled = True
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        finally:
+            watch.cancel()
+            context._done = True
+
+    async def _read_request(self, receive, context: WebContext, reply: _Reply) -> bytes | None:
+        """The one request message (empty if the body has none), or None after answering an error."""
+        body = bytearray()
+        limit = self.config.max_message_bytes + 5
+        text = context._unwrap_message is protocol.b64_unwrap_message_asgi
+        while True:
+            event = await receive()
+            if event["type"] == "http.disconnect":
+                return None
+            body += event.get("body", b"")
+            if len(body) > (limit * 4 // 3 + 4 if text else limit):
+                await reply.end(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the request is larger than {self.config.max_message_bytes} bytes")
+                return None
+            if not event.get("more_body"):
+                break
+        if not body:
+            return b""
+        try:
+            _, compressed, message = protocol.b64_unwrap_message(bytes(body)) if text else protocol.unwrap_message(bytes(body))
+        except Exception:
+            await reply.end(grpc.StatusCode.INVALID_ARGUMENT, "the request body is not a gRPC-Web message frame")
+            return None
+        if compressed:
+            await reply.end(grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported")
+            return None
+        return bytes(message)
+
+    async def _respond(self, handler: grpc.RpcMethodHandler, request, context: WebContext, reply: _Reply) -> None:
+        code, details = grpc.StatusCode.OK, None
+        try:
+            async with asyncio.timeout(context.time_remaining()):
+                if handler.response_streaming:
+                    async for message in handler.unary_stream(request, context):
+                        await reply.message(handler.response_serializer(message))
+                else:
+                    message = await handler.unary_unary(request, context)
+                    await reply.message(handler.response_serializer(message))
+            code, details = context.code, context.details
+        except grpc.RpcError:  # context.abort
+            code, details = context.code, context.details
+        except TimeoutError:
+            context._cancelled = True
+            code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        except Exception:
+            log.exception("gRPC-Web call failed")
+            code, details = grpc.StatusCode.UNKNOWN, "Unexpected error in the server"
+        await reply.end(code, details)
+
+    # ------------------------------------------------------------------ page and CORS
+
+    async def _file(self, path: str, method: str, send) -> None:
+        found = self.files.get("/index.html" if path == "/" else path)
+        if found is None:
+            if path != "/":
+                return await _plain(send, 404)
+            found = (NOT_BUILT, "text/html; charset=utf-8")
+        body, kind = found
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", kind.encode()), (b"content-length", str(len(body)).encode()), (b"cache-control", b"no-cache")]})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
+
+    def _cors_headers(self, scope) -> list[tuple[bytes, bytes]]:
+        allowed = self.config.cors_origin
+        if not allowed:
+            return []
+        origin = next((v for k, v in scope["headers"] if k == b"origin"), None)
+        if allowed != "*" and origin != allowed.encode():
+            return []
+        return [(b"access-control-allow-origin", allowed.encode() if allowed == "*" else origin),
+                (b"access-control-expose-headers", CORS_EXPOSE_HEADERS), (b"vary", b"origin")]
+
+    async def _preflight(self, scope, send) -> None:
+        headers = self._cors_headers(scope)
+        if headers:
+            headers += [(b"access-control-allow-methods", b"POST, OPTIONS"),
+                        (b"access-control-allow-headers", CORS_REQUEST_HEADERS), (b"access-control-max-age", b"600")]
+        await _plain(send, 204 if headers else 403, headers)
+
+
+class _Reply:
+    """One call's response: headers with the first message, then messages, then the trailers."""
+
+    def __init__(self, send, context: WebContext, extra_headers: list[tuple[bytes, bytes]]):
+        self.send, self.context, self.extra = send, context, extra_headers
+        self.started = False
+
+    def _headers(self) -> list[tuple[bytes, bytes]]:
+        kind = b"application/grpc-web-text" if self.context._wrap_message is protocol.b64_wrap_message else b"application/grpc-web+proto"
+        return [(b"content-type", kind), *(self.context._initial_metadata or ()), *self.extra]
+
+    async def message(self, data: bytes) -> None:
+        if not self.started:
+            self.started = True
+            await self.send({"type": "http.response.start", "status": 200, "headers": self._headers()})
+        await self.send({"type": "http.response.body", "body": self.context._wrap_message(False, False, data), "more_body": True})
+
+    async def end(self, code: grpc.StatusCode, details: str | None) -> None:
+        status = [("grpc-status", str(code.value[0]))]
+        if details:
+            status.append(("grpc-message", quote(details, safe=_MESSAGE_SAFE)))
+        status += list(self.context._trailing_metadata or ())
+        if not self.started:  # trailers-only: the status travels in the headers
+            self.started = True
+            headers = self._headers() + [(k.encode(), v.encode()) for k, v in status]
+            await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+            await self.send({"type": "http.response.body", "body": b""})
+            return
+        trailers = self.context._wrap_message(True, False, protocol.pack_trailers(status))
+        await self.send({"type": "http.response.body", "body": trailers, "more_body": False})
+
+
+def _metadata_value(key: str, value: bytes):
+    import base64
+
+    return base64.b64decode(value) if key.endswith("-bin") else value.decode("latin-1")
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _plain(send, status: int, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def load_files(root: pathlib.Path) -> dict[str, tuple[bytes, str]]:
+    """The page's files by URL path (blocking: call it off the event loop). Empty if it is not built."""
+    files = {}
+    if root.is_dir():
+        for path in sorted(root.iterdir()):
+            if path.is_file():
+                kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+                if kind.startswith("text/") or kind.endswith("javascript"):
+                    kind += "; charset=utf-8"
+                files["/" + path.name] = (path.read_bytes(), kind)
+    return files
+
+
+class WebServer:
+    """uvicorn serving a `WebGateway`, started and stopped from the gRPC server's event loop.
+
+    Register services on `gateway` (as on a grpc server) before `start`."""
+
+    def __init__(self, config: WebConfig):
+        self.config = config
+        self.gateway = WebGateway(config, {})
+        self.port: int | None = None
+        self._server = None
+
+    async def start(self) -> int:
+        """Bind (raises OSError if the port is taken) and serve; returns the port."""
+        import uvicorn
+
+        root = pathlib.Path(self.config.root) if self.config.root else DEFAULT_ROOT
+        self.gateway.files = await asyncio.to_thread(load_files, root)
+        if "/index.html" not in self.gateway.files:
+            log.warning("the web page is not built (%s has no index.html): run `make web`; gRPC-Web works without it", root)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.config.host, self.config.port))
+        except OSError:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+        # Started by hand, not with Server.serve(): that would take over SIGTERM and SIGINT from the gRPC server.
+        config = uvicorn.Config(self.gateway, lifespan="off", log_level="warning", access_log=False,
+                                ssl_certfile=self.config.tls_cert, ssl_keyfile=self.config.tls_key,
+                                timeout_graceful_shutdown=1)
+        config.load()
+        self._server = uvicorn.Server(config)
+        self._server.lifespan = config.lifespan_class(config)
+        await self._server.startup(sockets=[sock])
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None and self._server.started:
+            await self._server.shutdown()
+
+
+__all__ = ["WebConfig", "WebGateway", "WebServer", "load_files"]
