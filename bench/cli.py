@@ -79,7 +79,7 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `bench` and its commands (run, capacity, compare, simulate, loadgen, chaos, fuzz) to `subparsers`."""
+    """Add `bench` and its commands (run, capacity, compare, simulate, loadgen, chaos, fuzz, web) to `subparsers`."""
     bench = subparsers.add_parser("bench", help="benchmark a server: latency, goodput, capacity, comparisons",
                                   description="Benchmark tokenline (or an OpenAI-compatible server) under load.",
                                   formatter_class=_formatter)
@@ -181,6 +181,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     fz = sub.add_parser("fuzz", help="fuzz a server with hostile requests and raw bytes; every answer must be legitimate",
                         epilog=fuzz.EXAMPLES, formatter_class=_formatter)
     fuzz.add_arguments(fz)
+    from tokenline.bench import web
+
+    wb = sub.add_parser("web", help="what the gRPC-Web port adds to TTFT and ITL: the same requests over gRPC and gRPC-Web",
+                        epilog=web.EXAMPLES, formatter_class=_formatter)
+    web.add_arguments(wb)
     return bench
 
 

@@ -33,12 +33,18 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     return fuzz.run_command(args)
 
 
+def cmd_web(args: argparse.Namespace) -> int:
+    from tokenline.bench import web
+
+    return web.run_command(args)
+
+
 def dispatch(args: argparse.Namespace) -> int:
     from tokenline.bench.runner import LoadGeneratorBehind
     from tokenline.bench.servers import ServerStartError
 
     command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "mixed": cmd_mixed, "simulate": cmd_simulate,
-               "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz}[args.bench_command]
+               "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz, "web": cmd_web}[args.bench_command]
     try:
         return command(args)
     except (UsageError, PromptError, ValueError) as e:

@@ -11,6 +11,7 @@ import pathlib
 import shutil
 import struct
 import subprocess
+import sys
 from urllib.parse import unquote
 
 import httpx
@@ -181,3 +182,14 @@ def test_the_node_client_streams_with_its_generated_stub(tiny_server):
     bad = subprocess.run([NODE, str(script), "--target", tiny_server.address, "--temperature", "9", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_bench_web_measures_both_paths_side_by_side(keyed_server):
+    out = subprocess.run([sys.executable, "-m", "tokenline.server.cli", "bench", "web", "--target", keyed_server.address,
+                          "--web-url", keyed_server.web_url, "--api-key", KEY, "--requests", "2", "--warmup", "0",
+                          "--max-tokens", "4", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    for path in ("grpc", "grpc-web"):
+        assert result[path]["requests"] == 2 and result[path]["ttft_p50_ms"] > 0
+    assert result["ratio_ttft_p50"] > 0 and result["ratio_itl_p50"] > 0

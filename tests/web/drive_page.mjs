@@ -2,7 +2,7 @@
 // prints one JSON line of what it saw; tests/test_web.py makes the assertions.
 //
 //   node tests/web/drive_page.mjs URL SCREENSHOT.png [--api-key KEY] [--max-tokens N] [--prompt TEXT]
-//                                 [--no-cancel] [--chromium /usr/bin/chromium]
+//                                 [--no-cancel] [--stop-at-eos] [--chromium /usr/bin/chromium]
 // Steps: open the page, wait for the model list, stream a completion to its end (screenshot), then
 // start a long one and cancel it after its first tokens.
 import { mkdtempSync, rmSync } from "node:fs";
@@ -18,6 +18,7 @@ const { values, positionals } = parseArgs({
     "max-tokens": { type: "string", default: "24" },
     prompt: { type: "string", default: "" },
     "no-cancel": { type: "boolean", default: false },
+    "stop-at-eos": { type: "boolean", default: false },
     chromium: { type: "string", default: "/usr/bin/chromium" },
     timeout: { type: "string", default: "180" },
   },
@@ -65,7 +66,7 @@ try {
   if (values.prompt) await page.fill("#prompt", values.prompt);
   await page.fill("#max-tokens", values["max-tokens"]);
   await page.fill("#temperature", "0");
-  await page.check("#ignore-eos");
+  if (!values["stop-at-eos"]) await page.check("#ignore-eos");
   await page.click("#send");
   await page.waitForSelector("body[data-state=done], body[data-state=error]");
   await page.waitForTimeout(100); // let the chart's animation frame run
