@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refuse, Retry, StopRun
+from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refuse, Retry, StopRun, request_of
 from tokenline.engine.types import SeqOutput, StepPlan, StepReport, TrafficClass, WorkerSpec
 
 
@@ -306,7 +306,7 @@ class Simulation:
             s.generated += 1
             done = s.generated >= s.max_tokens
             outputs.append(SeqOutput(s.run_key, [1], "x", finished=done))
-            key = s.run_key.rsplit("@", 1)[0]
+            key = request_of(s.run_key)
             o = self.outcomes.get(key)
             if o is not None:
                 o.tokens += 1
@@ -320,7 +320,7 @@ class Simulation:
                             batch_size=batch, prefill_tokens=prefill, kv_blocks_free=0, running=len(w.running),
                             waiting=0, outputs=outputs)
         w.busy_until = None
-        self._handle(self.scheduler.on_step(report))
+        self._handle(self.scheduler.on_step(report).actions)
         if w.busy_until is None:
             self._start_step(w)
 

@@ -109,7 +109,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     if config.step_log:
         from tokenline.server.steplog import StepLog
 
-        runtime.on_step.append(StepLog(config.step_log, runtime.scheduler))
+        runtime.on_step.append(StepLog(config.step_log))
     telemetry = telemetry or Telemetry(config.telemetry)
     telemetry.watch(runtime, default_model)
     try:

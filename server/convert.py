@@ -230,8 +230,8 @@ def finish_reason(reason: FinishReason | None) -> int:
     return _FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED) if reason is not None else pb.FINISH_REASON_UNSPECIFIED
 
 
-def timeline_pb(t: Timeline) -> pb.Timeline:
-    msg = pb.Timeline(attempts=t.attempts, preemptions=t.preemptions)
+def timeline_pb(t: Timeline, *, attempts: int, preemptions: int) -> pb.Timeline:
+    msg = pb.Timeline(attempts=attempts, preemptions=preemptions)
     for name, value in t.stamps_ms().items():
         if value is not None:
             setattr(msg, name, value)

@@ -16,12 +16,12 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StopRun
+from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StepResult, StopRun
 from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, Shutdown, StepReport, TrafficClass, WorkerFailed, WorkerSpec, WorkItem
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
@@ -59,28 +59,51 @@ class Chunk:
     attempt: int
 
 
-@dataclass
 class RequestState:
-    key: RequestKey
-    model: str
-    cls: TrafficClass
-    prompt_ids: list[int]
-    sampling: Sampling
-    timeline: Timeline
-    deadline: float | None
-    attempt: int = 1
-    run_key: str | None = None
-    worker_id: int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)  # per token, so a stream can resume at any index
-    finish_reason: FinishReason | None = None
-    error: ServingError | None = None
-    done: bool = False
-    fault_marker: bool = False
-    must_complete_by_deadline: bool = False
-    idempotency_key: str = ""
-    # One mailbox per caller following this run (a retry with the same idempotency key attaches).
-    subscribers: list[asyncio.Queue] = field(default_factory=list)
+    """The connection side of one request: what it asks (prompt, sampling), what its callers
+    were given (token ids and text per token, its finish reason or error), its timeline and
+    mailboxes.
+
+    Its lifecycle (attempt, current run and worker, tokens generated, status, preemptions,
+    waits) and what the scheduler decides by (model, tenant, class, deadline) live in the
+    scheduler's `Entry`, which this holds as `entry` and reads through.
+    """
+
+    def __init__(self, key: RequestKey, model: str, cls: TrafficClass, prompt_ids: list[int], sampling: Sampling,
+                 timeline: Timeline, deadline: float | None, *, fault_marker: bool = False,
+                 must_complete_by_deadline: bool = False, idempotency_key: str = ""):
+        self.entry = Entry(key=key, model=model, tenant=key.tenant, cls=cls, prompt_tokens=len(prompt_ids),
+                           max_tokens=sampling.max_tokens, arrival=0.0, deadline=deadline,
+                           must_complete_by_deadline=must_complete_by_deadline)
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.timeline = timeline
+        self.fault_marker = fault_marker
+        self.idempotency_key = idempotency_key
+        self.token_ids: list[int] = []
+        self.text: list[str] = []  # per token, so a stream can resume at any index
+        self.finish_reason: FinishReason | None = None
+        self.error: ServingError | None = None
+        # One mailbox per caller following this run (a retry with the same idempotency key attaches).
+        self.subscribers: list[asyncio.Queue] = []
+
+    key = property(lambda self: self.entry.key)
+    model = property(lambda self: self.entry.model)
+    tenant = property(lambda self: self.entry.tenant)
+    cls = property(lambda self: self.entry.cls)
+    deadline = property(lambda self: self.entry.deadline)
+    must_complete_by_deadline = property(lambda self: self.entry.must_complete_by_deadline)
+    attempt = property(lambda self: self.entry.attempt)
+    preemptions = property(lambda self: self.entry.preemptions)
+    done = property(lambda self: self.entry.done, doc="Its lifecycle ended (finished, failed, cancelled, refused...).")
+
+    @property
+    def request_id(self) -> str:
+        return self.key.request_id
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.model, self.sampling, self.prompt_ids)
 
     def subscribe(self, from_index: int = 0) -> asyncio.Queue:
         """A new mailbox, primed with what was produced after `from_index` so far."""
@@ -102,18 +125,6 @@ class RequestState:
         for q in self.subscribers:
             q.put_nowait(item)
 
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self.model, self.sampling, self.prompt_ids)
-
-    @property
-    def request_id(self) -> str:
-        return self.key.request_id
-
-    @property
-    def tenant(self) -> str:
-        return self.key.tenant
-
 
 def fingerprint(model: str, sampling: Sampling, prompt_ids: list[int]) -> str:
     """Canonical hash of what makes two requests the same work: model, prompt tokens and sampling."""
@@ -129,7 +140,6 @@ _END = object()  # sentinel in a request's mailbox: finished (or failed, see .er
 
 @dataclass
 class RuntimeStats:
-    stale_outputs: int = 0
     worker_restarts: int = 0
     completed: int = 0
 
@@ -141,15 +151,14 @@ class Runtime:
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
-        self.requests: dict[RequestKey, RequestState] = {}
-        self.by_run: dict[str, RequestState] = {}
+        self.requests: dict[RequestKey, RequestState] = {}  # in flight; runs are the scheduler's to index
         self.handles: dict[int, WorkerHandle] = {}
         self.specs: dict[int, WorkerSpec] = {}
         self.stats = RuntimeStats()
         self.restart_workers = restart_workers
         self.quarantine_s = quarantine_s
         self._quarantined: dict[str, float] = {}  # fingerprint -> refused until (monotonic)
-        self.on_step: list[Callable[[StepReport], None]] = []
+        self.on_step: list[Callable[[StepResult], None]] = []  # each step report, as the scheduler read it
         self.on_finished: list[Callable[[RequestState], None]] = []  # every request, once, when it ends
         self.on_capacity: list[Callable[[bool], None]] = []  # every model has a live worker: True / False
         self.on_action: list[Callable[[object], None]] = []  # each scheduler action, once carried out
@@ -241,7 +250,7 @@ class Runtime:
             self._spawn(model, self.worker_configs[model][0], standby=standby and not self._needs_active(model))
 
     def _busy_workers(self) -> set[int]:
-        return {st.worker_id for st in self.by_run.values() if not st.done and st.worker_id is not None}
+        return {wid for wid in self.scheduler.workers if self.scheduler.running(wid)}
 
     def _heaviest_step_s(self, wid: int) -> float:
         """The step-time model's estimate for this worker's heaviest step: every slot, a full prefill."""
@@ -291,8 +300,6 @@ class Runtime:
         """Queue a validated request; raises a ServingError when it is refused at once."""
         if self._closing:
             raise Unavailable("the server is shutting down; retry on another instance")
-        if state.key in self.requests:
-            raise DuplicateRequest(f"request id {state.request_id!r} is already in flight; use a new id")
         now = time.monotonic()
         until = self._quarantined.get(state.fingerprint)
         if until is not None and until <= now:
@@ -300,21 +307,18 @@ class Runtime:
         elif until is not None:
             raise Quarantined(f"this request (same model, prompt and sampling) crashed workers repeatedly and is refused for another {until - now:.0f} s")
         state.timeline.enqueued = now
-        entry = Entry(key=state.key, model=state.model, tenant=state.tenant, cls=state.cls,
-                      prompt_tokens=len(state.prompt_ids), max_tokens=state.sampling.max_tokens,
-                      arrival=now, deadline=state.deadline, must_complete_by_deadline=state.must_complete_by_deadline)
+        actions = self.scheduler.submit(state.entry)
+        if actions and isinstance(actions[0], Refuse):  # the scheduler checks duplicates, queues, deadlines
+            raise _refusal_error(actions[0], state)
         self.requests[state.key] = state
-        self._handle(self.scheduler.submit(entry))
-        if state.error is not None:
-            self.requests.pop(state.key, None)
-            raise state.error
+        self._handle(actions)
 
     def cancel(self, key: RequestKey) -> bool:
         state = self.requests.get(key)
         if state is None or state.done:
             return False
         self._handle(self.scheduler.cancel(key))
-        self._finish(state, FinishReason.CANCELLED)
+        self._finish(key, FinishReason.CANCELLED)
         return True
 
     async def events(self, state: RequestState, mailbox: asyncio.Queue, from_index: int = 0):
@@ -355,41 +359,37 @@ class Runtime:
         now = time.monotonic()
         if self.watchdog is not None:
             self.watchdog.on_step(report.worker_id, report.step_s, now, self._heaviest_step_s(report.worker_id))
-        for key in report.first_scheduled:
-            st = self.by_run.get(key)
+        result = self.scheduler.on_step(report)
+        for key in result.started:
+            st = self.requests.get(key)
             if st is not None and st.timeline.first_scheduled is None:
                 st.timeline.first_scheduled = now
-        for key, reason in report.rejected.items():
-            st = self.by_run.get(key)
-            if st is not None and not st.done:
-                self._finish(st, None, InvalidRequest(f"the engine refused the request: {reason}"))
-        for out in report.outputs:
-            st = self.by_run.get(out.key)
-            if st is None or st.done or st.run_key != out.key:
-                self.stats.stale_outputs += 1
+        for key, reason in result.rejected:
+            self._finish(key, None, InvalidRequest(f"the engine refused the request: {reason}"))
+        for d in result.deliveries:
+            st = self.requests.get(d.key)
+            if st is None:
                 continue
-            if out.new_token_ids:
-                st.timeline.on_tokens(now, len(out.new_token_ids))
+            if d.token_ids:
+                st.timeline.on_tokens(now, len(d.token_ids))
                 index = len(st.token_ids)
-                st.token_ids.extend(out.new_token_ids)
-                st.text.extend([""] * (len(out.new_token_ids) - 1) + [out.text])
-                st.emit(Chunk(index, list(out.new_token_ids), out.text, st.attempt))
-            if out.finished:
-                self._finish(st, out.finish_reason or FinishReason.STOP, at=now)
-        _run_hooks(self.on_step, report)
-        self._handle(self.scheduler.on_step(report))
+                st.token_ids.extend(d.token_ids)
+                st.text.extend([""] * (len(d.token_ids) - 1) + [d.text])
+                st.emit(Chunk(index, list(d.token_ids), d.text, st.attempt))
+            if d.finish_reason is not None:
+                self._finish(d.key, d.finish_reason, at=now)
+        _run_hooks(self.on_step, result)
+        self._handle(result.actions)
 
-    def _finish(self, st: RequestState, reason: FinishReason | None, error: ServingError | None = None,
+    def _finish(self, key: RequestKey, reason: FinishReason | None, error: ServingError | None = None,
                 *, at: float | None = None) -> None:
-        if st.done:
+        """Tell a request's callers how it ended; the scheduler has already decided that it has."""
+        st = self.requests.pop(key, None)
+        if st is None:
             return
-        st.done = True
         st.finish_reason = reason
         st.error = error
         st.timeline.close(at if at is not None else time.monotonic())  # at: the step that produced its last token
-        if st.run_key is not None:
-            self.by_run.pop(st.run_key, None)
-        self.requests.pop(st.key, None)
         self.stats.completed += 1
         st.emit(_END)
         _run_hooks(self.on_finished, st)
@@ -401,41 +401,26 @@ class Runtime:
                 self._dispatch(a, now)
             elif isinstance(a, Compose):
                 self._send(a.worker_id, a.plan)
-            elif isinstance(a, Refuse):
-                st = self.requests.get(a.key)
-                if st is not None:
-                    st.error = _refusal_error(a)
-                    st.error.reason = a.reason.value  # the scheduler's reason, for metrics
-                    st.done = True
             elif isinstance(a, Expire):
                 if a.worker_id is not None:
                     self._send(a.worker_id, Abort((a.run_key,)))
-                st = self.requests.get(a.key)
-                if st is not None:
-                    self._finish(st, FinishReason.DEADLINE, DeadlineUnmeetable("the request's deadline passed before it finished"))
+                self._finish(a.key, FinishReason.DEADLINE, DeadlineUnmeetable("the request's deadline passed before it finished"))
             elif isinstance(a, StopRun):
                 self._send(a.worker_id, Abort((a.run_key,)))
                 st = self.requests.get(a.key)
                 if st is not None and a.preempted:
-                    st.timeline.preemptions += 1
                     st.timeline.interrupt(now, "preemption")
-                    self.by_run.pop(a.run_key, None)
             elif isinstance(a, Retry):
                 st = self.requests.get(a.key)
                 if st is not None:
-                    if st.run_key is not None:
-                        self.by_run.pop(st.run_key, None)
-                    st.attempt = a.attempt
-                    st.timeline.attempts = a.attempt
                     st.timeline.interrupt(now, "retry")
             elif isinstance(a, Fail):
                 st = self.requests.get(a.key)
-                if st is not None:
-                    if a.quarantined:
-                        self._quarantine(st.fingerprint, now)
-                        self._finish(st, None, Quarantined(f"{a.message}; identical requests are refused for {self.quarantine_s:.0f} s"))
-                    else:
-                        self._finish(st, None, Unavailable(a.message))
+                if st is not None and a.quarantined:
+                    self._quarantine(st.fingerprint, now)
+                    self._finish(a.key, None, Quarantined(f"{a.message}; identical requests are refused for {self.quarantine_s:.0f} s"))
+                elif st is not None:
+                    self._finish(a.key, None, Unavailable(a.message))
             _run_hooks(self.on_action, a)
         self._arm_timer()
 
@@ -449,27 +434,24 @@ class Runtime:
         self._quarantined[fingerprint] = now + self.quarantine_s
 
     def _dispatch(self, d: Dispatch, now: float) -> None:
-        if self.watchdog is not None and d.worker_id not in self._busy_workers():
+        if self.watchdog is not None and d.idle_before:
             self.watchdog.expect(d.worker_id, now)  # an idle worker's silence was not a hang
         items = []
         for adm in d.admissions:
             st = self.requests[adm.key]
             if st.timeline.admitted is None:
                 # The scheduler's decision instant, so that enqueued + waits == admitted exactly.
-                # Later waits (after a preemption or a crash) count as time lost, not as these.
+                # The bill keeps the first admission's waits; later waits (after a preemption or a
+                # crash) count as time lost, not as these.
                 st.timeline.admitted = st.timeline.enqueued + adm.admission_wait_s + adm.queueing_s
                 st.timeline.admission_wait_s = adm.admission_wait_s
                 st.timeline.queueing_s = adm.queueing_s
-            if st.run_key is not None:
-                self.by_run.pop(st.run_key, None)
-            st.run_key, st.worker_id = adm.run_key, d.worker_id
-            self.by_run[adm.run_key] = st
-            # A continuation re-reads what was already produced and owes only the rest.
-            sampling = replace(st.sampling, max_tokens=st.sampling.max_tokens - len(st.token_ids)) if st.token_ids else st.sampling
-            prompt = tuple(st.prompt_ids) + tuple(st.token_ids)
-            items.append(WorkItem(adm.run_key, prompt, sampling, priority=0 if st.cls == TrafficClass.INTERACTIVE else 1,
-                                  fault_marker=st.fault_marker, delivered_tokens=len(st.token_ids),
-                                  shown_chars=sum(map(len, st.text))))
+            # A continuation re-reads what was already delivered and owes only the rest.
+            delivered = st.token_ids[:adm.generated]
+            sampling = replace(st.sampling, max_tokens=st.sampling.max_tokens - adm.generated) if adm.generated else st.sampling
+            items.append(WorkItem(adm.run_key, tuple(st.prompt_ids) + tuple(delivered), sampling,
+                                  priority=0 if st.cls == TrafficClass.INTERACTIVE else 1, fault_marker=st.fault_marker,
+                                  delivered_tokens=adm.generated, shown_chars=sum(map(len, st.text[:adm.generated]))))
         self._send(d.worker_id, Admit(d.seq, tuple(items)))
 
     def _send(self, wid: int | None, msg: object) -> None:
@@ -511,8 +493,9 @@ class Runtime:
         self._closing = True
         if self._watch_timer is not None:
             self._watch_timer.cancel()
-        for st in list(self.requests.values()):
-            self._finish(st, None, Unavailable("the server shut down before the request finished"))
+        for key in list(self.requests):
+            self.scheduler.cancel(key)  # its actions are moot: every worker is told to shut down
+            self._finish(key, None, Unavailable("the server shut down before the request finished"))
         for h in list(self.handles.values()):
             try:
                 h.send(Shutdown())
@@ -533,13 +516,17 @@ def _run_hooks(hooks: list[Callable], *args: object) -> None:
             log.exception("%s failed; the request and the others go on", getattr(hook, "__qualname__", hook))
 
 
-def _refusal_error(a: Refuse) -> ServingError:
+def _refusal_error(a: Refuse, state: RequestState) -> ServingError:
+    """The scheduler's refusal as the caller's error; `reason` keeps the scheduler's word, for metrics."""
     if a.reason in (Refusal.QUEUE_FULL, Refusal.TENANT_LIMIT):
-        return Overloaded(a.message, retry_after_s=a.retry_after_s)
-    if a.reason == Refusal.DEADLINE:
-        return DeadlineUnmeetable(a.message)
-    if a.reason == Refusal.DUPLICATE:
-        return DuplicateRequest(a.message)
-    if a.reason == Refusal.TOO_LARGE:
-        return InvalidRequest(a.message)
-    return Unavailable(a.message, retry_after_s=a.retry_after_s)
+        err: ServingError = Overloaded(a.message, retry_after_s=a.retry_after_s)
+    elif a.reason == Refusal.DEADLINE:
+        err = DeadlineUnmeetable(a.message)
+    elif a.reason == Refusal.DUPLICATE:
+        err = DuplicateRequest(f"request id {state.request_id!r} is already in flight; use a new id")
+    elif a.reason == Refusal.TOO_LARGE:
+        err = InvalidRequest(a.message)
+    else:
+        err = Unavailable(a.message, retry_after_s=a.retry_after_s)
+    err.reason = a.reason.value
+    return err

@@ -321,7 +321,7 @@ def _final_chunk(state: RequestState) -> pb.GenerateChunk:
         request_id=state.request_id, attempt=state.attempt, index=len(state.token_ids),
         finish_reason=convert.finish_reason(state.finish_reason),
         usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
-        timeline=convert.timeline_pb(state.timeline),
+        timeline=convert.timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
     )
 
 
@@ -330,7 +330,7 @@ def _complete_response(state: RequestState) -> pb.CompleteResponse:
         request_id=state.request_id, attempt=state.attempt, token_ids=state.token_ids, text="".join(state.text),
         finish_reason=convert.finish_reason(state.finish_reason),
         usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
-        timeline=convert.timeline_pb(state.timeline),
+        timeline=convert.timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
     )
 
 

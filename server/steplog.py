@@ -11,20 +11,18 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
-from tokenline.engine.types import StepReport, TrafficClass
+from tokenline.engine.scheduler.records import StepResult
 
 
 class StepLog:
-    def __init__(self, path: str, scheduler: Any):
+    def __init__(self, path: str):
         self._file = Path(path).open("a", buffering=1)
-        self._scheduler = scheduler
 
-    def __call__(self, report: StepReport) -> None:
-        w = self._scheduler.workers.get(report.worker_id)
-        interactive = sum(e.cls == TrafficClass.INTERACTIVE for e in w.running.values()) if w else 0
-        plan_bulk = w.plan.bulk_decode if w else None
+    def __call__(self, result: StepResult) -> None:
+        report = result.report
+        interactive = result.interactive
+        plan_bulk = result.plan.bulk_decode if result.plan is not None else None
         self._file.write(json.dumps({
             "unix": round(time.time(), 6), "worker": report.worker_id, "batch": report.batch_size,
             "paused": report.paused, "prefill": report.prefill_tokens, "step_ms": round(report.step_s * 1000, 3),

@@ -35,7 +35,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Link, Status, StatusCode
 
-from tokenline.engine.scheduler.records import Retry, StopRun
+from tokenline.engine.scheduler.records import Retry, StepResult, StopRun
 from tokenline.engine.types import StepReport, TrafficClass
 
 from tokenline.server.logs import escape
@@ -111,7 +111,7 @@ class _Snapshot:
     in_flight: dict[tuple[str, str], int] = field(default_factory=dict)
     workers: dict[int, tuple[str, int, int, float, int]] = field(default_factory=dict)
     worker_info: dict[int, dict[str, str]] = field(default_factory=dict)  # labels of tokenline_worker_info
-    stale: tuple[int, int] = (0, 0)
+    stale: int = 0
     restarts: int = 0
     taken_at: float = float("-inf")
 
@@ -210,7 +210,7 @@ class Telemetry:
                                       description="1 per live worker; labels say what it runs: dtype, attention kernel, "
                                                   "self-check verdict (passed, FAILED, off, skipped).")
         meter.create_observable_counter("tokenline_stale_outputs_total", callbacks=[self._observe_stale],
-                                        description="Outputs of runs no longer current, dropped (layer: frontend or scheduler).")
+                                        description="Outputs of runs no longer current (preempted, retried, cancelled), dropped.")
         meter.create_observable_counter("tokenline_worker_restarts_total", callbacks=[self._observe_restarts],
                                         description="Workers restarted after they died.")
 
@@ -285,7 +285,7 @@ class Telemetry:
         trace_id = self._request_span(state, outcome, extra, splits)
         self._log({"id": state.request_id, "model": state.model, "class": cls, "tenant": state.tenant, "outcome": outcome,
                    "prompt_tokens": len(state.prompt_ids), "tokens": len(state.token_ids), "attempts": state.attempt,
-                   "preemptions": tl.preemptions, **splits, "trace_id": trace_id})
+                   "preemptions": state.preemptions, **splits, "trace_id": trace_id})
 
     @_guarded
     def on_shared(self, request: Any, outcome: str, tenant: str) -> None:
@@ -318,7 +318,7 @@ class Telemetry:
         attributes = {"tokenline.request_id": state.request_id, "tokenline.model": state.model,
                       "tokenline.class": state.cls.name.lower(), "tokenline.tenant": state.tenant,
                       "tokenline.outcome": outcome, "tokenline.attempts": state.attempt,
-                      "tokenline.preemptions": tl.preemptions, "tokenline.prompt_tokens": len(state.prompt_ids),
+                      "tokenline.preemptions": state.preemptions, "tokenline.prompt_tokens": len(state.prompt_ids),
                       "tokenline.completion_tokens": len(state.token_ids),
                       **{f"tokenline.{k}": v for k, v in splits.items()}}
         span = self.tracer.start_span("tokenline.request", start_time=self._wall_ns(tl.received), attributes=attributes,
@@ -344,24 +344,23 @@ class Telemetry:
     # ------------------------------------------------------ engine events
 
     @_guarded
-    def on_step(self, report: StepReport) -> None:
-        """A worker step: its time, its gauges, requests resuming, and the step span of admissions."""
+    def on_step(self, result: StepResult) -> None:
+        """A worker step, as the scheduler read it: its time, its gauges, and the step span of admissions."""
         runtime = self.runtime
+        report = result.report
         model = runtime.specs[report.worker_id].model if report.worker_id in runtime.specs else "unknown"
         self._last_step[report.worker_id] = report
         self._step.record(report.step_s, {"model": model})
         now = time.monotonic()
-        if self.tracer is not None and report.first_scheduled:
+        if self.tracer is not None and result.started:
             start = self._wall_ns(now - report.step_s)
             span = self.tracer.start_span("tokenline.worker_step", start_time=start, attributes={
                 "tokenline.worker": report.worker_id, "tokenline.model": model, "tokenline.batch_size": report.batch_size,
-                "tokenline.prefill_tokens": report.prefill_tokens, "tokenline.admitted": len(report.first_scheduled),
+                "tokenline.prefill_tokens": report.prefill_tokens, "tokenline.admitted": len(result.started),
                 "tokenline.kv_blocks_free": report.kv_blocks_free, "tokenline.step_s": report.step_s})
             span.end(end_time=self._wall_ns(now))
-            for run_key in report.first_scheduled:
-                st = runtime.by_run.get(run_key)
-                if st is not None:
-                    self._extra.setdefault(st.key, _Extra()).links.append(span.get_span_context())
+            for key in result.started:
+                self._extra.setdefault(key, _Extra()).links.append(span.get_span_context())
         if len(self._extra) > MAX_TRACKED:  # a request whose call ended without on_request_done (rare)
             for key in [k for k in self._extra if k not in runtime.requests]:
                 del self._extra[key]
@@ -402,7 +401,7 @@ class Telemetry:
             snap.worker_info[wid] = {"model": spec.model, "worker": str(wid), "dtype": spec.dtype,
                                      "attention_kernel": spec.attention_kernel.split(" (")[0],
                                      "self_check": spec.self_check.split(":")[0]}
-        snap.stale = (rt.stats.stale_outputs, rt.scheduler.counters.stale_outputs)
+        snap.stale = rt.scheduler.counters.stale_outputs
         snap.restarts = rt.stats.worker_restarts
         return snap
 
@@ -456,8 +455,7 @@ class Telemetry:
         return [Observation(1, labels) for labels in self._read().worker_info.values()]
 
     def _observe_stale(self, options: CallbackOptions) -> Iterable[Observation]:
-        frontend, scheduler = self._read().stale
-        return [Observation(frontend, {"layer": "frontend"}), Observation(scheduler, {"layer": "scheduler"})]
+        return [Observation(self._read().stale)]
 
     def _observe_restarts(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._read().restarts)]

@@ -1,7 +1,8 @@
 """One request's timeline on the frontend's monotonic clock, and its splits.
 
 Stamps are `time.monotonic()` seconds of this process; worker stamps are
-converted when they arrive (never compared across processes).
+converted when they arrive (never compared across processes). Counts (attempts,
+preemptions, tokens) are not kept here: the request's scheduler Entry has them.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ class Timeline:
     last_byte: float | None = None
     admission_wait_s: float = 0.0
     queueing_s: float = 0.0
-    attempts: int = 1
-    preemptions: int = 0
-    tokens: int = 0
     gap_sum_s: float = 0.0  # sum of gaps between consecutive tokens
     gap_count: int = 0
     gaps: list[float] = field(default_factory=list)  # per gap; bounded by max_tokens
@@ -65,14 +63,12 @@ class Timeline:
         if self.first_token is None:
             self.first_token = now
             count -= 1
-            self.tokens += 1
             self.last_token = now
         if count > 0:
             gap = (now - self.last_token) / count
             self.gaps.extend([gap] * count)
             self.gap_sum_s += now - self.last_token
             self.gap_count += count
-            self.tokens += count
             self.last_token = now
 
     def splits_ms(self) -> dict[str, float]:

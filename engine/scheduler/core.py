@@ -31,13 +31,15 @@ from tokenline.engine.scheduler.records import (
     Dispatch,
     Entry,
     Expire,
+    Delivery,
     Fail,
     Retry,
+    StepResult,
     StopRun,
 )
 from tokenline.engine.scheduler.state import ModelState, WorkerView
 from tokenline.engine.scheduler.status import FINAL, Status, transition
-from tokenline.engine.types import StepReport, TrafficClass, WorkerSpec
+from tokenline.engine.types import FinishReason, StepReport, TrafficClass, WorkerSpec
 
 CLASSES = (TrafficClass.INTERACTIVE, TrafficClass.BULK)
 
@@ -87,7 +89,6 @@ class Scheduler(AdmissionControl):
             cls_cfg = self.config.for_class(e.cls)
             if (was_isolated and alone) or e.crashes >= self.config.quarantine_after_crashes:
                 transition(e, Status.FAILED)
-                self.counters.quarantined += 1
                 why = "while it ran alone" if was_isolated and alone else "while running it"
                 actions.append(Fail(e.key, f"quarantined: a worker died {e.crashes} times {why}", True))
             elif e.attempt >= cls_cfg.max_attempts:
@@ -99,7 +100,6 @@ class Scheduler(AdmissionControl):
             else:
                 transition(e, Status.QUEUED)
                 e.attempt += 1
-                self.counters.retries += 1
                 self._enqueue(e, now, front=True)
                 actions.append(Retry(e.key, e.attempt))
                 continue
@@ -112,7 +112,7 @@ class Scheduler(AdmissionControl):
         entry.arrival = now
         refusal = self._check_admissible(entry, now)
         if refusal is not None:
-            self.counters.refused[refusal.reason.value] = self.counters.refused.get(refusal.reason.value, 0) + 1
+            transition(entry, Status.REFUSED)
             return [refusal]
         self.entries[entry.key] = entry
         self._tenant_inflight[entry.tenant] += 1
@@ -132,16 +132,53 @@ class Scheduler(AdmissionControl):
             actions.append(StopRun(e.key, e.worker_id, e.run_key))
             self._release(e)
         transition(e, Status.CANCELLED)
-        self.counters.cancelled += 1
         self._forget(e)
         return actions + self._dispatch(e.model)
 
-    def on_step(self, report: StepReport) -> list[Action]:
-        """A worker finished a step: learn its speed, count tokens, free finished runs."""
+    def on_step(self, report: StepReport) -> StepResult:
+        """A worker finished a step: the one loop over its report.
+
+        Learns the worker's speed, counts each current run's tokens, frees finished and rejected
+        runs, and says what to deliver to callers and what to do next. Output of a run that is
+        no longer current (preempted, retried, cancelled) is dropped here, and counted.
+        """
+        result = StepResult(report)
         w = self.workers.get(report.worker_id)
-        if w is None:
-            return []
+        if w is None:  # a worker already declared lost: all of it is stale
+            self.counters.stale_outputs += len(report.outputs)
+            return result
         now = self.clock()
+        self._learn(w, report, now)
+        step = w.estimator.step_s(max(len(w.running), 1))
+        result.interactive = sum(e.cls == TrafficClass.INTERACTIVE for e in w.running.values())
+        result.plan = w.plan
+        result.started = [w.running[k].key for k in report.first_scheduled if k in w.running]
+        for run_key, reason in report.rejected.items():
+            e = w.running.get(run_key)
+            if e is not None:  # the engine refused it (its reason goes to the caller): it never runs
+                self._release(e)
+                transition(e, Status.FAILED)
+                self._forget(e)
+                result.rejected.append((e.key, reason))
+        for out in report.outputs:
+            e = w.running.get(out.key)
+            if e is None:
+                self.counters.stale_outputs += 1
+                continue
+            e.generated += len(out.new_token_ids)
+            e.prefilled = e.prefilled or bool(out.new_token_ids)
+            e.est_finish = now + e.remaining * step
+            reason = (out.finish_reason or FinishReason.STOP) if out.finished else None
+            result.deliveries.append(Delivery(e.key, out.new_token_ids, out.text, reason))
+            if out.finished:
+                self._finish(e, now)
+            else:
+                self._recount_blocks(e, w)
+        result.actions = self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model)
+        return result
+
+    def _learn(self, w: WorkerView, report: StepReport, now: float) -> None:
+        """The worker's step time and step period, and which admission batches it has applied."""
         w.applied_seq = max(w.applied_seq, report.applied_seq)
         if w.running and w.last_report_at and report.batch_size:  # busy since its last report: one whole step period
             period = max(now - w.last_report_at, report.step_s)
@@ -152,26 +189,6 @@ class Scheduler(AdmissionControl):
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
         w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
-        step = w.estimator.step_s(max(len(w.running), 1))
-        for key in report.rejected:
-            e = w.running.get(key)
-            if e is not None:  # the engine refused it (its reason goes to the caller): it never runs
-                self._release(e)
-                transition(e, Status.FAILED)
-                self._forget(e)
-        for out in report.outputs:
-            e = w.running.get(out.key)
-            if e is None:
-                self.counters.stale_outputs += 1
-                continue
-            e.generated += len(out.new_token_ids)
-            e.prefilled = e.prefilled or bool(out.new_token_ids)
-            e.est_finish = now + e.remaining * step
-            if out.finished:
-                self._finish(e, now)
-            else:
-                self._recount_blocks(e, w)
-        return self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model)
 
     def on_timer(self) -> list[Action]:
         """Expire what passed its deadline and fire admission windows that ran out."""
@@ -190,11 +207,9 @@ class Scheduler(AdmissionControl):
                 continue
             if e.status == Status.QUEUED:
                 self._dequeue(e)
-                self.counters.expired_queued += 1
                 actions.append(Expire(e.key))
             else:
                 actions.append(Expire(e.key, e.worker_id, e.run_key))
-                self.counters.expired_running += 1
                 self._release(e)
             transition(e, Status.EXPIRED)
             self._forget(e)
@@ -242,7 +257,6 @@ class Scheduler(AdmissionControl):
                     if self._cannot_complete(e, w, now):
                         self._dequeue(e)  # it asked to finish by its deadline, and no longer can
                         transition(e, Status.EXPIRED)
-                        self.counters.expired_queued += 1
                         self._forget(e)
                         actions.append(Expire(e.key))
                         continue
@@ -256,7 +270,7 @@ class Scheduler(AdmissionControl):
                 w = self.workers[wid]
                 w.seq += 1
                 w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in admitted[wid])
-                actions.append(Dispatch(wid, w.seq, tuple(admitted[wid])))
+                actions.append(Dispatch(wid, w.seq, tuple(admitted[wid]), idle_before=len(w.running) == len(admitted[wid])))
         if self.config.preempt_bulk and not self._preempting:
             self._preempting = True
             try:
@@ -373,7 +387,6 @@ class Scheduler(AdmissionControl):
         w.running[e.run_key] = e
         batch = len(w.running)
         e.est_finish = now + w.estimator.first_token_s(batch, e.prompt_tokens) + max(e.remaining - 1, 0) * w.estimator.step_s(batch)
-        self.counters.admitted += 1
         return Admission(e.key, e.run_key, e.attempt, e.generated, e.queueing_s, e.admission_wait_s)
 
     def _preempt_for_interactive(self, model_name: str, model: ModelState, now: float) -> list[Action]:
@@ -445,7 +458,6 @@ class Scheduler(AdmissionControl):
         self._release(v)
         transition(v, Status.QUEUED)
         v.preemptions += 1
-        self.counters.preemptions += 1
         self._enqueue(v, now, front=True)
         return action
 
@@ -476,7 +488,6 @@ class Scheduler(AdmissionControl):
     def _finish(self, e: Entry, now: float) -> None:
         self._release(e)
         transition(e, Status.FINISHED)
-        self.counters.finished += 1
         drained = self.models[e.model].drained
         drained.append((now, e.prompt_tokens + e.generated))
         while drained[0][0] < now - self.config.drain_window_s:  # bounded by its window, whoever reads it

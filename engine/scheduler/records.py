@@ -5,13 +5,19 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tokenline.engine.scheduler.status import Status
-from tokenline.engine.types import StepPlan, TrafficClass
+from tokenline.engine.scheduler.status import FINAL, Status
+from tokenline.engine.types import FinishReason, StepPlan, StepReport, TrafficClass
+
+RUN_SEPARATOR = "@"  # run key = f"{request key}@{run}": the one place the format is written and read
 
 
 @dataclass
 class Entry:
-    """The scheduler's view of one request (all of its attempts)."""
+    """One request's lifecycle, owned by the scheduler (all of its attempts).
+
+    The one place for its attempt, current run (key and worker), tokens generated, status and
+    waits; the server's RequestState holds the same object and reads these from it.
+    """
 
     key: str  # unique among requests in flight (the frontend scopes it by tenant)
     model: str
@@ -50,7 +56,16 @@ class Entry:
     @property
     def run_key(self) -> str:
         """The worker-side id of the current run; output of older runs is stale."""
-        return f"{self.key}@{self.run}"
+        return f"{self.key}{RUN_SEPARATOR}{self.run}"
+
+    @property
+    def done(self) -> bool:
+        return self.status in FINAL
+
+
+def request_of(run_key: str) -> str:
+    """The request key a run key was built from (see Entry.run_key)."""
+    return run_key.rsplit(RUN_SEPARATOR, 1)[0]
 
 
 class Refusal(enum.Enum):
@@ -59,7 +74,7 @@ class Refusal(enum.Enum):
     DEADLINE = "deadline_unmeetable"
     NO_WORKER = "no_worker"
     TOO_LARGE = "too_large"
-    DUPLICATE = "duplicate"
+    DUPLICATE = "duplicate_request"
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class Dispatch:
     worker_id: int
     seq: int
     admissions: tuple[Admission, ...]
+    idle_before: bool = False  # the worker ran nothing until these (its silence so far was no hang)
 
 
 @dataclass(frozen=True)
@@ -132,6 +148,68 @@ class Compose:
 
 
 Action = Dispatch | Refuse | Expire | StopRun | Fail | Retry | Compose
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """New tokens of a request's current run, for its caller; `finish_reason` set: the run ended."""
+
+    key: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class StepResult:
+    """What one step report means, from the scheduler's one loop over it (Scheduler.on_step).
+
+    The runtime delivers `deliveries` and `rejected` to callers, stamps `started`, then carries
+    out `actions`; observers (telemetry, the step log) read this rather than the raw report.
+    """
+
+    report: StepReport
+    started: list[str] = field(default_factory=list)  # requests whose current run entered the engine
+    deliveries: list[Delivery] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request key, the engine's reason)
+    actions: list[Action] = field(default_factory=list)
+    interactive: int = 0  # interactive runs on the worker during the step
+    plan: StepPlan | None = None  # the step plan the step ran under
+
+
+@dataclass
+class Counters:
+    """What the scheduler counts that nothing else can see, for metrics and tests."""
+
+    stale_outputs: int = 0  # outputs of runs no longer current, dropped
+    kv_preemptions: int = 0  # bulk runs stopped because running sequences outgrew the KV cache
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """New tokens of a request's current run, for its caller; `finish_reason` set: the run ended."""
+
+    key: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class StepResult:
+    """What one step report means, from the scheduler's one loop over it (Scheduler.on_step).
+
+    The runtime delivers `deliveries` and `rejected` to callers, stamps `started`, then carries
+    out `actions`; observers (telemetry, the step log) read this rather than the raw report.
+    """
+
+    report: StepReport
+    started: list[str] = field(default_factory=list)  # requests whose current run entered the engine
+    deliveries: list[Delivery] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request key, the engine's reason)
+    actions: list[Action] = field(default_factory=list)
+    interactive: int = 0  # interactive runs on the worker during the step
+    plan: StepPlan | None = None  # the step plan the step ran under
 
 
 @dataclass
