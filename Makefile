@@ -47,7 +47,7 @@ web: $(WEB_STAMP)
 	@:
 
 web-if-npm: install
-	@if command -v npm >/dev/null 2>&1; then $(MAKE) --no-print-directory web; \
+	@if command -v npm >/dev/null 2>&1; then $(MAKE) --no-print-directory web || echo "tokenline: the page could not be built (above); gRPC-Web is served without it"; \
 	else echo "tokenline: npm not found, so the page for --web-port is not built (gRPC-Web works without it): install Node.js and npm, then 'make web'"; fi
 
 # Headless Chromium for the browser test: Debian's package (installing it needs root).
