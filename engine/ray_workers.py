@@ -83,6 +83,7 @@ class RayCluster:
         self.address = address
         self.host = host or ray.util.get_node_ip_address()
         self.actor_class = ray.remote(_WorkerActor)
+        self.gpus_per_worker = 1 if self.resources().get("GPU", 0) >= 1 else 0
 
     def resources(self) -> dict[str, float]:
         """What the cluster has in all (CPU, GPU, memory...), as Ray counts it."""
@@ -144,6 +145,8 @@ class RayWorkerHandle:
         self._server.settimeout(ACCEPT_POLL_S)
         options: dict[str, Any] = {"num_cpus": self.config.threads, "max_restarts": 0, "max_task_retries": 0,
                                    "name": f"tokenline-worker-{self.worker_id}-{secrets.token_hex(3)}"}
+        if self.config.backend == "vllm" and self.cluster.gpus_per_worker:
+            options["num_gpus"] = self.cluster.gpus_per_worker  # one GPU per worker on a GPU cluster
         self._actor = self.cluster.actor_class.options(**options).remote()
         address = self._server.getsockname()[:2]
         self._where_ref = self._actor.where.remote()  # answered before `run` starts: an actor runs calls in order

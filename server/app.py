@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.watchdog import StepWatchdog
+from tokenline.engine.worker import WorkerHandle
 from tokenline.server.auth import Authenticator
 from tokenline.server.catalog import ServedModel, load_served_model
 from tokenline.server.idempotency import IdempotencyStore
@@ -63,6 +65,7 @@ class ServeConfig:
     step_log: str | None = None  # a JSON-lines file with one line per worker step (server/steplog.py)
     web: "WebConfig | None" = None  # gRPC-Web and the browser page on a second port (server/web.py); None: off
     jobs: JobConfig | None = None  # durable jobs (server/jobrunner.py); None: the job RPCs answer UNIMPLEMENTED
+    ray_address: str | None = None  # workers as Ray actors on this cluster (engine/ray_workers.py); None: local processes
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -104,8 +107,20 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     scheduler_config = replace(config.scheduler, tenants={**config.scheduler.tenants, **auth.quotas()})
     idempotency = IdempotencyStore(config.idempotency_db, config.idempotency_ttl_s) if config.idempotency_db else None
     watchdog = StepWatchdog(config.step_watchdog_s) if config.step_watchdog_s > 0 else None
+    worker_factory = WorkerHandle
+    if config.ray_address:
+        from tokenline.engine.ray_workers import RayCluster, RayUnavailable, RayWorkerHandle
+
+        try:
+            cluster = RayCluster(config.ray_address)  # on this thread: ray.init sets signal handlers, which only the main thread may
+        except RayUnavailable as err:
+            print(f"tokenline: {err}", file=sys.stderr, flush=True)
+            return 2
+        worker_factory = functools.partial(RayWorkerHandle, cluster=cluster)
+        print(f"tokenline: workers are Ray actors on {config.ray_address} ({cluster.resources().get('CPU', 0):g} CPUs, "
+              f"{len(cluster.alive_nodes())} nodes)", flush=True)
     runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers,
-                      watchdog=watchdog)
+                      watchdog=watchdog, worker_factory=worker_factory)
     if config.step_log:
         from tokenline.server.steplog import StepLog
 

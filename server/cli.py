@@ -35,6 +35,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--standby-workers", type=int, default=0,
                    help="extra workers per model that load the model and wait; one takes over at once when a worker dies")
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm", help="vllm, or the simulated engine")
+    p.add_argument("--sim-step-ms", type=float, default=None,
+                   help="simulated engine: every step takes this long, whatever its batch (default: 2 ms + 0.2 ms per "
+                        "sequence + 0.02 ms per prompt token)")
+    p.add_argument("--sim-fixed-batch", action="store_true",
+                   help="simulated engine: a batch runs to completion before the next is admitted (a fixed-batch server)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="run the workers as Ray actors on this Ray cluster ('auto', 'ray://host:10001' or 'host:6379'), "
+                        "placed by Ray by CPUs (and one GPU each where the cluster has GPUs); default: local processes. "
+                        "Without --workers, one worker per --threads CPUs of the cluster")
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache per worker in MiB (default: a share of available memory, split between workers)")
     p.add_argument("--max-seqs", type=int, default=64, help="sequences a worker runs at once (default %(default)s)")
@@ -123,7 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         path = resolve_model(args.model)
         name = args.model_name or path.name
-        plan = plan_workers(read_machine(), workers=args.workers, threads=args.threads,
+        workers = args.workers if args.workers is not None or not args.ray_address else _ray_workers(args)
+        plan = plan_workers(read_machine(), workers=workers, threads=args.threads,
                             kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
                             standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path),
                             max_seqs=args.max_seqs, max_model_len=args.max_model_len)
@@ -132,6 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
             threads=plan.threads, max_seqs=args.max_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
             prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker, dtype=args.dtype,
             attention_kernel=args.attention_kernel, self_check=args.self_check,
+            **_sim_costs(args),
         )
         sched = SchedulerConfig(
             interactive=ClassConfig(args.interactive_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts,
@@ -147,7 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
-                             step_log=args.step_log, web=_web_config(args), jobs=jobs,
+                             step_log=args.step_log, web=_web_config(args), jobs=jobs, ray_address=args.ray_address,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:
@@ -157,6 +168,30 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)
+
+
+def _sim_costs(args: argparse.Namespace) -> dict:
+    costs: dict = {"sim_fixed_batch": args.sim_fixed_batch}
+    if args.sim_step_ms is not None:
+        if not args.sim_step_ms > 0:
+            raise ValueError(f"--sim-step-ms must be a positive number of milliseconds, got {args.sim_step_ms}")
+        costs.update(sim_step_base_s=args.sim_step_ms / 1000, sim_step_per_seq_s=0.0, sim_prefill_per_token_s=0.0)
+    return costs
+
+
+def _ray_workers(args: argparse.Namespace) -> int:
+    """One worker per --threads CPUs of the Ray cluster (connecting to it now, so a bad address fails at once)."""
+    from tokenline.engine.ray_workers import RayCluster, RayUnavailable
+
+    try:
+        cpus = RayCluster(args.ray_address).resources().get("CPU", 0.0)
+    except RayUnavailable as err:
+        raise ValueError(str(err)) from err
+    workers = int(cpus // (args.threads or 1))
+    if workers < 1:
+        raise ValueError(f"the Ray cluster at {args.ray_address} has {cpus:g} CPUs, fewer than one worker's "
+                         f"{args.threads or 1}: add nodes, or give --threads")
+    return workers
 
 
 def _web_config(args: argparse.Namespace):

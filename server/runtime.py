@@ -147,10 +147,12 @@ class RuntimeStats:
 class Runtime:
     def __init__(self, scheduler_config: SchedulerConfig, workers: dict[str, tuple[WorkerConfig, int]],
                  *, restart_workers: bool = True, quarantine_s: float = 600.0, standby: int = 0,
-                 watchdog: StepWatchdog | None = None):
+                 watchdog: StepWatchdog | None = None, worker_factory: Callable[..., WorkerHandle] = WorkerHandle):
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
+        # How a worker is started: a local process (WorkerHandle) or a Ray actor (engine/ray_workers.py).
+        self.worker_factory = worker_factory
         self.requests: dict[RequestKey, RequestState] = {}  # in flight; runs are the scheduler's to index
         self.handles: dict[int, WorkerHandle] = {}
         self.specs: dict[int, WorkerSpec] = {}
@@ -193,7 +195,7 @@ class Runtime:
         self._worker_model[wid] = model
         if standby:
             self._standby_ids.add(wid)
-        handle = WorkerHandle(
+        handle = self.worker_factory(
             wid, cfg,
             on_message=lambda w, m: self.loop.call_soon_threadsafe(self._on_worker_message, w, m),
             on_exit=lambda w, code: self.loop.call_soon_threadsafe(self._on_worker_exit, w, code),
@@ -222,6 +224,10 @@ class Runtime:
         log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, attention kernel %s, self-check %s",
                  wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",
                  spec.attention_kernel or "-", spec.self_check or "-")
+        placement = getattr(self.handles.get(wid), "placement", None)
+        if placement is not None:  # a Ray actor: where Ray put it
+            log.info("worker %d ready: model %s on Ray node %s (host %s, pid %d)", wid, spec.model, placement.node_id,
+                     placement.host, placement.pid)
         self._handle(self.scheduler.add_worker(spec))
         self._capacity_changed()
 

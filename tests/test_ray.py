@@ -1,0 +1,145 @@
+"""Workers as Ray actors on a real (local, multi-node) Ray cluster: spread, loss and correctness.
+
+The cluster is Ray's own test cluster (`ray.cluster_utils.Cluster`): a head
+with no CPUs, so no worker lands there, and worker nodes of one CPU each, each
+a real raylet with its own processes. Removing a node kills them for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from tokenline.client import AsyncClient, Client
+from tokenline.client.errors import TokenlineError
+from tests.support import ServerProcess, wait_until
+
+ray_cluster_utils = pytest.importorskip("ray.cluster_utils", reason="Ray is installed by `make test` (the test extra)")
+
+pytestmark = pytest.mark.engine
+
+READY_ON_NODE = re.compile(r"worker (\d+) ready: .* on Ray node ([0-9a-f]+)")
+TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [c.add_node(num_cpus=1) for _ in range(3)]
+    c.wait_for_nodes()
+    c.worker_nodes_ = nodes
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sim_server(cluster, tmp_path_factory):
+    steps = tmp_path_factory.mktemp("ray") / "steps.jsonl"
+    s = ServerProcess("--engine", "sim", "--model", "tiny", "--workers", "2", "--ray-address", cluster.address,
+                      "--sim-step-ms", "40", "--max-seqs", "16", "--step-log", str(steps), "--log-level", "INFO").start()
+    s.step_log = steps
+    assert wait_until(lambda: len(placements(s)) == 2, timeout=120), s.output()[-3000:]
+    yield s
+    s.stop()
+
+
+def placements(server: ServerProcess) -> dict[int, str]:
+    """Worker id -> the Ray node it runs on, as the server's start-up lines say (latest first wins)."""
+    out: dict[int, str] = {}
+    for line in server.output().splitlines():
+        if m := READY_ON_NODE.search(line):
+            out[int(m.group(1))] = m.group(2)
+    return out
+
+
+async def stream_all(address: str, n: int, *, on_token=None):
+    async with AsyncClient(address) as client:
+        async def one(i: int):
+            deltas = []
+            try:
+                async for d in client.generate(token_ids=[5 + i, 7, 9, 11], max_tokens=TOKENS, ignore_eos=True,
+                                               traffic_class="bulk"):
+                    deltas.append(d)
+                    if on_token is not None:
+                        on_token(deltas)
+            except TokenlineError as err:
+                return deltas, err
+            return deltas, None
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def assert_whole(deltas) -> None:
+    """Every index once, in order: nothing lost or repeated, across attempts."""
+    position = 0
+    for d in deltas:
+        assert d.index == position, f"chunk at index {d.index}, expected {position}"
+        position += len(d.token_ids)
+    assert position == TOKENS
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_workers_are_placed_on_different_nodes_and_both_take_requests(sim_server):
+    where = placements(sim_server)
+    assert len(where) == 2 and len(set(where.values())) == 2, where
+
+    results = asyncio.run(stream_all(sim_server.address, 8))
+
+    assert [err for _, err in results if err] == []
+    for deltas, _ in results:
+        assert_whole(deltas)
+    steps = [json.loads(line) for line in sim_server.step_log.read_text().splitlines()]
+    busy_workers = {s["worker"] for s in steps if s["batch"] > 0}
+    assert busy_workers == set(where), f"steps came from {busy_workers}, workers are {set(where)}"
+
+
+def test_removing_a_node_mid_stream_loses_and_repeats_no_token(cluster, sim_server):
+    where = placements(sim_server)
+    victim_node = next(iter(where.values()))
+    node = next(n for n in cluster.worker_nodes_ if n.node_id == victim_node)
+    removed = []
+
+    def remove_once(deltas):
+        if not removed and sum(len(d.token_ids) for d in deltas) >= 15:
+            removed.append(True)
+            cluster.remove_node(node)  # its raylet and every process on it end now
+
+    results = asyncio.run(stream_all(sim_server.address, 8, on_token=remove_once))
+
+    assert removed
+    assert [err for _, err in results if err] == []
+    for deltas, _ in results:
+        assert_whole(deltas)
+    assert any(deltas[-1].attempt > 1 for deltas, _ in results), "no stream was on the removed node"
+    # The lost worker is replaced, by Ray, on a node that is still there.
+    assert wait_until(lambda: len(placements(sim_server)) >= 3, timeout=120)
+    alive = {n.node_id for n in cluster.worker_nodes_ if n is not node}
+    newest = max(placements(sim_server))
+    assert placements(sim_server)[newest] in alive
+    with Client(sim_server.address) as c:
+        assert wait_until(lambda: all(m.loaded for m in c.list_models(timeout=5)), timeout=120)
+
+
+def test_the_real_engine_in_a_ray_actor_answers_as_the_float32_reference_does(cluster):
+    from tokenline.engine.models import resolve_model
+    from tests.greedy import Float32Judge
+
+    judge = Float32Judge(resolve_model("tiny"))
+    node = cluster.add_node(num_cpus=1)  # room for one more worker beside the simulated ones
+    cluster.wait_for_nodes()
+    server = ServerProcess("--model", "tiny", "--workers", "1", "--ray-address", cluster.address, "--kv-cache-mb", "64",
+                           "--max-seqs", "4", "--max-model-len", "512", "--log-level", "INFO").start()
+    try:
+        assert placements(server), "the worker did not run on a Ray node"
+        prompt = judge.encode("a story about a lighthouse")
+        with Client(server.address) as c:
+            deltas = list(c.generate(token_ids=prompt, max_tokens=24, temperature=0, ignore_eos=True))
+    finally:
+        server.stop()
+        cluster.remove_node(node)
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert len(tokens) == 24
+    assert judge.violations(prompt, tokens) == []
