@@ -112,6 +112,8 @@ class WebGateway(grpcASGI):
         timeout = next((protocol.parse_timeout(v) for k, v in headers if k == "grpc-timeout"), None)
         metadata = [(k, _metadata_value(k, v)) for k, v in headers if k != "grpc-timeout"]
         client = scope.get("client") or ("", 0)
+        if not any(k == "host" for k, _ in metadata):  # sonora's context needs it; HTTP/1.1 always sends it
+            metadata.append(("host", scope.get("server", ("localhost",))[0]))
         context = WebContext(timeout, metadata, f"ipv4:{client[0]}:{client[1]}")
         reply = _Reply(send, context, self._cors_headers(scope))
         if handler.request_streaming:
