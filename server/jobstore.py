@@ -75,7 +75,7 @@ CREATE TABLE IF NOT EXISTS job_tokens (
     job_id TEXT NOT NULL,
     idx INTEGER NOT NULL,
     token_id INTEGER NOT NULL,
-    text TEXT NOT NULL,                 -- this token's share of the text ('' while text is held back)
+    text {blob} NOT NULL,               -- this token's share of the text, UTF-8 (PostgreSQL TEXT refuses NUL)
     PRIMARY KEY (job_id, idx)
 )
 """
@@ -168,11 +168,17 @@ class JobStore:
             raise Unavailable("the job store is unavailable right now; retry shortly") from None
 
     def _is_db_error(self, err: Exception) -> bool:
+        """The store cannot be reached or used right now (not: this statement or its data is wrong,
+        which retrying cannot fix; those propagate, and a job hitting one fails after its attempts)."""
+        if isinstance(err, (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
+            return False
         if isinstance(err, sqlite3.Error):
             return True
         if self.postgres:
             import psycopg
 
+            if isinstance(err, (psycopg.DataError, psycopg.ProgrammingError, psycopg.IntegrityError)):
+                return False
             return isinstance(err, psycopg.Error)
         return False
 
@@ -285,7 +291,7 @@ class JobStore:
         """Stored (token id, text) from index `start`, in order."""
         rows = self._x("SELECT token_id, text FROM job_tokens WHERE job_id=? AND idx>=? ORDER BY idx LIMIT ?",
                        (job_id, start, limit)).fetchall()
-        return [(int(r[0]), r[1]) for r in rows]
+        return [(int(r[0]), bytes(r[1]).decode("utf-8", "surrogatepass")) for r in rows]
 
     def cancel(self, tenant: str, job_id: str) -> JobRecord:
         """Cancel a queued or running job (its owner finds out at its next write); a finished job is left as is."""
@@ -382,7 +388,7 @@ class JobStore:
     def _insert_tokens(self, job_id: str, start: int, tokens: list[tuple[int, str]]) -> None:
         if not tokens:
             return
-        rows = [(job_id, start + i, t, text) for i, (t, text) in enumerate(tokens)]
+        rows = [(job_id, start + i, t, text.encode("utf-8", "surrogatepass")) for i, (t, text) in enumerate(tokens)]
         sql = "INSERT INTO job_tokens (job_id, idx, token_id, text) VALUES (?,?,?,?)"
         if self.postgres:
             with self._db.cursor() as cur:

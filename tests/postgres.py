@@ -8,6 +8,8 @@ down and bring it back on the same address, for tests of a store that goes away.
 from __future__ import annotations
 
 import pathlib
+import shutil
+import tempfile
 import uuid
 
 import pytest
@@ -39,7 +41,10 @@ class Postgres:
 
 
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory):
-    pg = Postgres(tmp_path_factory.mktemp("pg") / "data")
+def postgres():
+    # Not under pytest's temporary folder: that is private to root, and the server runs as another user.
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="tokenline-pg-"))
+    pg = Postgres(folder / "data")
     yield pg
     pg.close()
+    shutil.rmtree(folder, ignore_errors=True)

@@ -67,7 +67,7 @@ def test_an_expired_lease_is_taken_over_and_the_stale_owner_is_fenced(stores):
     a, b = stores
     a.submit(new_job("j1"))
     (mine,) = a.claim("frontend-a", LEASE_S, 10, 5)
-    a.append("j1", mine.fence, 0, [(5, "a")], LEASE_S)
+    a.append("j1", mine.fence, 0, [(5, "a\x00")], LEASE_S)  # any text a model produces, NUL included
     time.sleep(LEASE_S + 0.1)  # frontend a is frozen past its lease
     (theirs,) = b.claim("frontend-b", LEASE_S, 10, 5)
     assert theirs.fence == mine.fence + 1 and theirs.tokens == 1 and theirs.attempts == 2
@@ -79,7 +79,7 @@ def test_an_expired_lease_is_taken_over_and_the_stale_owner_is_fenced(stores):
     assert a.renew([("j1", mine.fence)], LEASE_S) == ["j1"]
     b.append("j1", theirs.fence, 1, [(6, "b")], LEASE_S)
     b.finish("j1", theirs.fence, 2, [], "succeeded", "stop", None)
-    assert a.tokens("j1", 0) == [(5, "a"), (6, "b")]
+    assert a.tokens("j1", 0) == [(5, "a\x00"), (6, "b")]
 
 
 def test_tokens_are_only_written_at_the_next_index(stores):
