@@ -81,7 +81,6 @@ async function main(): Promise<number> {
       temperature: { type: "string", default: "0.7" },
       class: { type: "string", default: "interactive" },
       "deadline-s": { type: "string", default: "120" },
-      chat: { type: "boolean", default: true },
       text: { type: "boolean", default: false },
       "ignore-eos": { type: "boolean", default: false },
       json: { type: "boolean", default: false },
