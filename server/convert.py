@@ -1,4 +1,5 @@
-"""Proto ↔ domain conversion, with every check a request must pass before any work.
+"""Proto ↔ domain conversion, with every check a request must pass before any work,
+and every response message the server builds (chunks, results, replays, model info).
 
 Pure functions: they raise `InvalidRequest` / `ModelNotFound` with a message
 that says what to change, and never touch the engine. `check` is cheap (sizes,
@@ -10,13 +11,19 @@ from __future__ import annotations
 
 import math
 import string
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenline.engine.types import FinishReason, Sampling, TrafficClass
 from tokenline.server.catalog import ServedModel
-from tokenline.server.errors import InvalidRequest, ModelNotFound
+from tokenline.server.errors import InvalidRequest, ModelNotFound, RunLost
 from tokenline.server.timeline import Timeline
 from tokenline.v1 import tokenline_pb2 as pb
+
+if TYPE_CHECKING:
+    from tokenline.engine.types import WorkerSpec
+    from tokenline.server.runtime import Chunk, RequestState
 
 DEFAULT_MAX_TOKENS = 64
 MAX_STOP_STRINGS = 16
@@ -238,3 +245,89 @@ def timeline_pb(t: Timeline, *, attempts: int, preemptions: int) -> pb.Timeline:
     for name, value in t.splits_ms().items():
         setattr(msg, name, value)
     return msg
+
+
+# ----------------------------------------------------------------- responses
+
+
+class Unparsable:
+    """What the deserializers hand an RPC for bytes that are not a valid request message.
+
+    Not a message: each RPC refuses it first (INVALID_ARGUMENT, naming the message it expected)."""
+
+    def __repr__(self) -> str:
+        return "<unparsable request>"
+
+
+MALFORMED = Unparsable()
+
+
+def parser(message_type):
+    """A deserializer for `message_type` that answers MALFORMED instead of raising."""
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception:  # DecodeError and friends: answered INVALID_ARGUMENT, never INTERNAL
+            return MALFORMED
+    return parse
+
+
+def check_parsed(request: object, message: str) -> None:
+    if request is MALFORMED:
+        raise InvalidRequest(f"the request message could not be parsed as a tokenline.v1.{message}")
+
+
+def chunk_pb(state: RequestState, chunk: Chunk) -> pb.GenerateChunk:
+    return pb.GenerateChunk(request_id=state.request_id, attempt=chunk.attempt, index=chunk.index,
+                            token_ids=chunk.token_ids, text=chunk.text)
+
+
+def final_chunk(state: RequestState) -> pb.GenerateChunk:
+    return pb.GenerateChunk(
+        request_id=state.request_id, attempt=state.attempt, index=len(state.token_ids),
+        finish_reason=finish_reason(state.finish_reason), usage=_usage(state),
+        timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
+    )
+
+
+def complete_response(state: RequestState) -> pb.CompleteResponse:
+    return pb.CompleteResponse(
+        request_id=state.request_id, attempt=state.attempt, token_ids=state.token_ids, text="".join(state.text),
+        finish_reason=finish_reason(state.finish_reason), usage=_usage(state),
+        timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
+    )
+
+
+def _usage(state: RequestState) -> pb.Usage:
+    return pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids))
+
+
+def replay_chunks(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, resume_from: int) -> Iterator[pb.GenerateChunk]:
+    """A stored result as a stream: the tokens after `resume_from` in one chunk, then the final chunk."""
+    if resume_from < len(result.token_ids):
+        yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=resume_from,
+                               token_ids=result.token_ids[resume_from:],
+                               text=_text_from(result, token_text, resume_from))
+    yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=len(result.token_ids),
+                           finish_reason=result.finish_reason, usage=result.usage, timeline=result.timeline)
+
+
+def _text_from(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, index: int) -> str:
+    """The text of the tokens from `index` on: the tail of the whole text, always."""
+    if index == 0:
+        return result.text
+    if token_text is not None and len(token_text) == len(result.token_ids):
+        return "".join(token_text[index:])
+    # A row stored before per-token text was kept: no honest split exists, so refuse rather than guess.
+    raise RunLost("this stored result cannot be resumed part-way; send the request again with resume_from_index 0 "
+                  "to receive it whole")
+
+
+def model_info(model: ServedModel, specs: list[WorkerSpec]) -> pb.ModelInfo:
+    """A served model and the workers that have it loaded now."""
+    first = specs[0] if specs else None
+    return pb.ModelInfo(name=model.name, version=model.version, max_context=model.max_context,
+                        loaded=bool(specs), workers=len(specs),
+                        dtype=first.dtype if first else "",
+                        attention_kernel=first.attention_kernel if first else "",
+                        self_check=first.self_check if first else "")

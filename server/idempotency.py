@@ -1,4 +1,5 @@
-"""Idempotency keys: a request's fingerprint and final result, kept in SQLite across restarts.
+"""Idempotency keys: a request's fingerprint and final result, kept in SQLite across restarts,
+and `Idempotency`, which decides what a keyed call does (attach, replay, or run).
 
 A row is written when a keyed request starts ("running") and completed with
 the serialized result when it finishes normally. A failed or cancelled run
@@ -16,15 +17,21 @@ call that can, so a retry of its key replays it instead of generating again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import pathlib
 import sqlite3
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tokenline.server.errors import Unavailable
+from tokenline.engine.types import FinishReason
+from tokenline.server import convert
+from tokenline.server.errors import IdempotencyMismatch, RunLost, ServingError, Unavailable
+from tokenline.server.runtime import RequestState
+from tokenline.v1 import tokenline_pb2 as pb
 
 log = logging.getLogger("tokenline.idempotency")
 
@@ -173,3 +180,135 @@ class IdempotencyStore:
     def _close(self) -> None:
         if self._db is not None:
             self._db.close()
+
+
+# ------------------------------------------------------------ joining calls
+
+@dataclass(frozen=True)
+class Attach:
+    """Follow the live run of this key (started by an earlier call)."""
+
+    state: RequestState
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Answer with the key's stored result."""
+
+    result: pb.CompleteResponse
+    token_text: tuple[str, ...] | None  # the stored result's text per token
+
+
+class NewRun:
+    """Nothing to join: the caller starts a run and says so with `started`."""
+
+    def __init__(self, live: dict[tuple[str, str], RequestState], at: tuple[str, str]):
+        self._live, self._at = live, at
+
+    def started(self, state: RequestState) -> None:
+        self._live[self._at] = state
+
+
+class Idempotency:
+    """What a keyed call does: attach to the key's live run, replay its stored result, or start
+    a new run. One call at a time per key decides; results are stored as runs end (`finished`,
+    a runtime hook). Without a store, only live runs are joined."""
+
+    def __init__(self, store: IdempotencyStore | None):
+        self.store = store
+        self._live: dict[tuple[str, str], RequestState] = {}  # (tenant, key) -> its running request
+        self._locks: dict[tuple[str, str], _KeyLock] = {}
+
+    @contextlib.asynccontextmanager
+    async def decide(self, tenant: str, key: str, fingerprint: str,
+                     request: pb.GenerateRequest) -> AsyncIterator[Attach | Replay | NewRun]:
+        """Held while the caller acts on the answer; a NewRun refused at once (ServingError) frees the key."""
+        async with self._lock(tenant, key):
+            found = await self._find(tenant, key, fingerprint, request)
+            if found is not None:
+                yield found
+                return
+            if self.store is not None:
+                await self.store.begin(tenant, key, fingerprint)
+            try:
+                yield NewRun(self._live, (tenant, key))
+            except ServingError:
+                if self.store is not None:
+                    _in_background(self.store.abandon(tenant, key))
+                raise
+
+    def finished(self, state: RequestState) -> None:
+        """A run ended: store its result (a normal finish), or free its key for a new run."""
+        if not state.idempotency_key:
+            return
+        self._live.pop((state.tenant, state.idempotency_key), None)
+        if self.store is None:
+            return
+        # Queued to the store's thread now (a later lookup is queued after it); failures are logged there.
+        if state.error is None and state.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING):
+            _in_background(self.store.complete(state.tenant, state.idempotency_key, state.fingerprint,
+                                               convert.complete_response(state).SerializeToString(), state.text))
+        else:
+            _in_background(self.store.abandon(state.tenant, state.idempotency_key))
+
+    async def _find(self, tenant: str, key: str, fingerprint: str, request: pb.GenerateRequest) -> Attach | Replay | None:
+        """A run or a stored result for this key, or None to generate.
+
+        A resumed stream (resume_from_index > 0) continues only the run it followed (named by its
+        request_id when the caller sends it): it is never stitched onto a different run.
+        """
+        resume_from = request.resume_from_index
+        live = self._live.get((tenant, key))
+        if live is not None:
+            if live.fingerprint != fingerprint:
+                raise IdempotencyMismatch(_mismatch(key))
+            if resume_from:
+                _same_run(request, live.request_id)
+            return Attach(live)
+        stored = await self.store.lookup(tenant, key) if self.store is not None else None
+        if stored is not None and stored.fingerprint != fingerprint:
+            raise IdempotencyMismatch(_mismatch(key))
+        if stored is not None and stored.status == "done" and stored.result is not None:
+            result = pb.CompleteResponse.FromString(stored.result)
+            if resume_from:
+                _same_run(request, result.request_id)
+            return Replay(result, stored.token_text)
+        if resume_from:  # the run it followed ended without a result: a new run would be spliced on
+            raise RunLost(f"the run of idempotency key {key!r} that this stream followed ended without a result; "
+                          "nothing can be resumed: send the request again with resume_from_index 0")
+        return None  # no run, or one that died with an earlier server process: generate again
+
+    @contextlib.asynccontextmanager
+    async def _lock(self, tenant: str, key: str):
+        lock = self._locks.setdefault((tenant, key), _KeyLock())
+        lock.users += 1
+        try:
+            async with lock.lock:
+                yield
+        finally:
+            lock.users -= 1
+            if not lock.users:
+                del self._locks[(tenant, key)]
+
+
+@dataclass
+class _KeyLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+def _same_run(request: pb.GenerateRequest, run_request_id: str) -> None:
+    if request.request_id and request.request_id != run_request_id:
+        raise RunLost(f"the run this stream followed (request id {request.request_id!r}) is gone and another run of "
+                      f"the same idempotency key took its place; nothing can be resumed: send the request again "
+                      "with resume_from_index 0")
+
+
+def _in_background(future: asyncio.Future) -> None:
+    """A store write nobody waits for: its failure was logged where it happened."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def _mismatch(key: str) -> str:
+    return (f"idempotency key {key!r} was used for a different request (model, prompt or sampling differ); "
+            "use a new key for new work")

@@ -1,4 +1,5 @@
-"""The gRPC servicer: thin. Converts, hands work to the runtime, streams results back."""
+"""The gRPC servicer: thin. Checks and converts (convert.py), hands work to the runtime,
+streams results back; keyed calls go through `Idempotency` (idempotency.py)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
-from tokenline.engine.types import FinishReason
 from tokenline.server import convert
 from tokenline.server.auth import DEFAULT_TENANT, Authenticator
 from tokenline.server.catalog import ServedModel
-from tokenline.server.errors import (
-    DeadlineUnmeetable,
-    IdempotencyMismatch,
-    InvalidRequest,
-    RequestNotFound,
-    RunLost,
-    ServingError,
-    Unavailable,
-    abort_with,
-)
-from tokenline.server.idempotency import IdempotencyStore
+from tokenline.server.errors import DeadlineUnmeetable, InvalidRequest, RequestNotFound, ServingError, Unavailable, abort_with
+from tokenline.server.idempotency import Attach, Idempotency, IdempotencyStore, Replay
 from tokenline.server.jobrpcs import JobRpcs
 from tokenline.server.runtime import RequestKey, RequestState, Runtime, fingerprint
 from tokenline.server.timeline import Timeline
@@ -55,42 +46,92 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         self.on_shared = on_shared  # a call served by another call's run (replayed or attached)
         self.auth = auth or Authenticator()
         self.idempotency = idempotency
-        self._live_keys: dict[tuple[str, str], RequestState] = {}  # (tenant, idempotency key) -> running request
-        # One call at a time per idempotency key decides between attach, replay and a new run.
-        self._key_locks: dict[tuple[str, str], _KeyLock] = {}
+        self.keys = Idempotency(idempotency)  # keyed calls: attach, replay, or a new run
         # Tokenizing and chat templating: blocking work, never on the event loop.
         self._request_work = ThreadPoolExecutor(request_work_threads, thread_name_prefix="tokenline-tokenize")
         self.inflight = 0
-        runtime.on_finished.append(self._store_result)
+        runtime.on_finished.append(self.keys.finished)
 
     # ---------------------------------------------------------------- RPCs
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        received = time.monotonic()
-        self.inflight += 1
-        call: _Call | None = None
-        outcome = "error"
-        tenant = DEFAULT_TENANT
-        try:
-            tenant = self._tenant(context)
-            call = await self._start(request, context, received, tenant)
+        async with self._call(request, context) as call:
             if call.replay is not None:
-                for chunk in _replay_chunks(call.replay, call.replay_text, request.resume_from_index):
+                for chunk in convert.replay_chunks(call.replay.result, call.replay.token_text, request.resume_from_index):
                     yield chunk
-                outcome = "replayed"
+                call.outcome = "replayed"
                 return
             state = call.state
             async for chunk in self.runtime.events(state, call.mailbox, request.resume_from_index):
-                yield pb.GenerateChunk(request_id=state.request_id, attempt=chunk.attempt, index=chunk.index,
-                                       token_ids=chunk.token_ids, text=chunk.text)
+                yield convert.chunk_pb(state, chunk)
             state.timeline.last_byte = time.monotonic()
-            yield _final_chunk(state)
+            yield convert.final_chunk(state)
             state.timeline.last_byte = time.monotonic()
-            outcome = _outcome(state)
+            call.outcome = _outcome(state)
+
+    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        async with self._call(request, context) as call:
+            if call.replay is not None:
+                call.outcome = "replayed"
+                return call.replay.result
+            state = call.state
+            async for _ in self.runtime.events(state, call.mailbox):
+                pass
+            state.timeline.last_byte = time.monotonic()
+            call.outcome = _outcome(state)
+            return convert.complete_response(state)
+
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+        try:
+            convert.check_parsed(request, "CancelRequest")
+            tenant = self._tenant(context)
+        except ServingError as err:
+            await abort_with(context, err)
+        # Another tenant's request is indistinguishable from no request at all.
+        key = RequestKey(tenant, request.request_id)
+        if not request.request_id or not self.runtime.cancel(key):
+            await abort_with(context, RequestNotFound(f"no request {request.request_id!r} is queued or running"))
+        return pb.CancelResponse(cancelled=True)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        try:
+            convert.check_parsed(request, "ListModelsRequest")
+            self._tenant(context)
+        except ServingError as err:
+            await abort_with(context, err)
+        specs = list(self.runtime.specs.values())
+        return pb.ListModelsResponse(models=[convert.model_info(m, [s for s in specs if s.model == m.name])
+                                             for m in self.models.values()])
+
+    # ------------------------------------------------------------- helpers
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        if not self.auth.enabled:
+            return DEFAULT_TENANT
+        common_name = None
+        if self.auth.client_certs:
+            names = context.auth_context().get("x509_common_name") or []
+            common_name = names[0].decode() if names else None
+        return self.auth.tenant(tuple(context.invocation_metadata() or ()), common_name)
+
+    @contextlib.asynccontextmanager
+    async def _call(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[_Call]:
+        """What Generate and Complete share around their work: the caller's tenant, starting or
+        joining the run, errors as statuses, a caller who leaves, and telling telemetry how it went."""
+        received = time.monotonic()
+        self.inflight += 1
+        call: _Call | None = None
+        tenant = DEFAULT_TENANT
+        outcome = "error"
+        try:
+            tenant = self._tenant(context)
+            call = await self._start(request, context, received, tenant)
+            yield call
+            outcome = call.outcome
         except ServingError as err:
             outcome = type(err).__name__
             if call is None and self.on_refused is not None:
-                self.on_refused(request, err, tenant)
+                self.on_refused(request if request is not MALFORMED else pb.GenerateRequest(), err, tenant)
             await abort_with(context, err)
         except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: the caller left while a chunk was pending
             outcome = "disconnected"
@@ -104,86 +145,8 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
             elif call is not None and not call.owner and self.on_shared is not None:
                 self.on_shared(request, "replayed" if call.replay is not None else "attached", tenant)
 
-    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
-        received = time.monotonic()
-        self.inflight += 1
-        call: _Call | None = None
-        outcome = "error"
-        tenant = DEFAULT_TENANT
-        try:
-            tenant = self._tenant(context)
-            call = await self._start(request, context, received, tenant)
-            if call.replay is not None:
-                outcome = "replayed"
-                return call.replay
-            state = call.state
-            async for _ in self.runtime.events(state, call.mailbox):
-                pass
-            state.timeline.last_byte = time.monotonic()
-            outcome = _outcome(state)
-            return _complete_response(state)
-        except ServingError as err:
-            outcome = type(err).__name__
-            if call is None and self.on_refused is not None:
-                self.on_refused(request, err, tenant)
-            await abort_with(context, err)
-        except asyncio.CancelledError:
-            outcome = "disconnected"
-            if call is not None and call.state is not None:
-                self.runtime.leave(call.state, call.mailbox)
-            raise
-        finally:
-            self.inflight -= 1
-            if call is not None and call.owner and self.on_done is not None:
-                self.on_done(call.state, outcome)
-            elif call is not None and not call.owner and self.on_shared is not None:
-                self.on_shared(request, "replayed" if call.replay is not None else "attached", tenant)
-
-    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
-        if request is MALFORMED:
-            await abort_with(context, InvalidRequest("the request message could not be parsed as a tokenline.v1.CancelRequest"))
-        try:
-            tenant = self._tenant(context)
-        except ServingError as err:
-            await abort_with(context, err)
-        # Another tenant's request is indistinguishable from no request at all.
-        key = RequestKey(tenant, request.request_id)
-        if not request.request_id or not self.runtime.cancel(key):
-            await abort_with(context, RequestNotFound(f"no request {request.request_id!r} is queued or running"))
-        return pb.CancelResponse(cancelled=True)
-
-    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        if request is MALFORMED:
-            await abort_with(context, InvalidRequest("the request message could not be parsed as a tokenline.v1.ListModelsRequest"))
-        try:
-            self._tenant(context)
-        except ServingError as err:
-            await abort_with(context, err)
-        out = []
-        for m in self.models.values():
-            specs = [s for s in self.runtime.specs.values() if s.model == m.name]
-            first = specs[0] if specs else None
-            out.append(pb.ModelInfo(name=m.name, version=m.version, max_context=m.max_context,
-                                    loaded=bool(specs), workers=len(specs),
-                                    dtype=first.dtype if first else "",
-                                    attention_kernel=first.attention_kernel if first else "",
-                                    self_check=first.self_check if first else ""))
-        return pb.ListModelsResponse(models=out)
-
-    # ------------------------------------------------------------- helpers
-
-    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
-        if not self.auth.enabled:
-            return DEFAULT_TENANT
-        common_name = None
-        if self.auth.client_certs:
-            names = context.auth_context().get("x509_common_name") or []
-            common_name = names[0].decode() if names else None
-        return self.auth.tenant(tuple(context.invocation_metadata() or ()), common_name)
-
     async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float, tenant: str) -> _Call:
-        if request is MALFORMED:
-            raise InvalidRequest("the request message could not be parsed as a tokenline.v1.GenerateRequest")
+        convert.check_parsed(request, "GenerateRequest")
         if self.draining:
             raise Unavailable("the server is draining for shutdown; retry on another instance")
         checked = convert.check(request, self.models, self.default_model, self.limits)  # cheap: sizes first
@@ -192,19 +155,14 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         valid = await loop.run_in_executor(self._request_work, convert.tokenize, checked, self.limits)
         if not key:
             return self._run(request, context, received, tenant, valid, key)
-        async with self._key_lock(tenant, key):
-            print_ = fingerprint(valid.model.name, valid.sampling, valid.prompt_ids)
-            found = await self._find_keyed(tenant, key, print_, request)
-            if found is not None:
-                return found
-            if self.idempotency is not None:
-                await self.idempotency.begin(tenant, key, print_)
-            try:
-                return self._run(request, context, received, tenant, valid, key)
-            except ServingError:
-                if self.idempotency is not None:
-                    _in_background(self.idempotency.abandon(tenant, key))
-                raise
+        async with self.keys.decide(tenant, key, fingerprint(valid.model.name, valid.sampling, valid.prompt_ids), request) as found:
+            if isinstance(found, Attach):
+                return _Call(state=found.state, mailbox=found.state.subscribe(request.resume_from_index))
+            if isinstance(found, Replay):
+                return _Call(replay=found)
+            call = self._run(request, context, received, tenant, valid, key)
+            found.started(call.state)
+            return call
 
     def _run(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float, tenant: str,
              valid: convert.ValidRequest, key: str) -> _Call:
@@ -224,62 +182,7 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
                              must_complete_by_deadline=request.require_completion_by_deadline)
         mailbox = state.subscribe()
         self.runtime.submit(state)
-        if key:
-            self._live_keys[(tenant, key)] = state
         return _Call(state=state, mailbox=mailbox, owner=True)
-
-    async def _find_keyed(self, tenant: str, key: str, print_: str, request: pb.GenerateRequest) -> _Call | None:
-        """A run or a stored result for this idempotency key, or None to generate.
-
-        A resumed stream (resume_from_index > 0) continues only the run it followed (named by its
-        request_id when the caller sends it): it is never stitched onto a different run.
-        """
-        resume_from = request.resume_from_index
-        live = self._live_keys.get((tenant, key))
-        if live is not None:
-            if live.fingerprint != print_:
-                raise IdempotencyMismatch(_mismatch(key))
-            if resume_from:
-                _same_run(request, live.request_id)
-            return _Call(state=live, mailbox=live.subscribe(resume_from), owner=False)
-        stored = await self.idempotency.lookup(tenant, key) if self.idempotency is not None else None
-        if stored is not None and stored.fingerprint != print_:
-            raise IdempotencyMismatch(_mismatch(key))
-        if stored is not None and stored.status == "done" and stored.result is not None:
-            result = pb.CompleteResponse.FromString(stored.result)
-            if resume_from:
-                _same_run(request, result.request_id)
-            return _Call(replay=result, replay_text=stored.token_text)
-        if resume_from:  # the run it followed ended without a result: a new run would be spliced on
-            raise RunLost(f"the run of idempotency key {key!r} that this stream followed ended without a result; "
-                          "nothing can be resumed: send the request again with resume_from_index 0")
-        return None  # no run, or one that died with an earlier server process: generate again
-
-    @contextlib.asynccontextmanager
-    async def _key_lock(self, tenant: str, key: str):
-        lock = self._key_locks.setdefault((tenant, key), _KeyLock())
-        lock.users += 1
-        try:
-            async with lock.lock:
-                yield
-        finally:
-            lock.users -= 1
-            if not lock.users:
-                del self._key_locks[(tenant, key)]
-
-    def _store_result(self, state: RequestState) -> None:
-        if not state.idempotency_key:
-            return
-        self._live_keys.pop((state.tenant, state.idempotency_key), None)
-        if self.idempotency is None:
-            return
-        # Queued to the store's thread now (a later lookup is queued after it); failures are logged there.
-        if state.error is None and state.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING):
-            _in_background(self.idempotency.complete(state.tenant, state.idempotency_key, state.fingerprint,
-                                                     _complete_response(state).SerializeToString(), state.text))
-        else:
-            _in_background(self.idempotency.abandon(state.tenant, state.idempotency_key))
-
 
 
 @dataclass
@@ -289,93 +192,12 @@ class _Call:
     state: RequestState | None = None
     mailbox: asyncio.Queue | None = None
     owner: bool = False
-    replay: pb.CompleteResponse | None = None
-    replay_text: tuple[str, ...] | None = None  # the stored result's text per token
+    replay: Replay | None = None
+    outcome: str = "error"  # how it ended, for telemetry: set by the call once it has answered
 
 
-@dataclass
-class _KeyLock:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0
-
-
-def _same_run(request: pb.GenerateRequest, run_request_id: str) -> None:
-    if request.request_id and request.request_id != run_request_id:
-        raise RunLost(f"the run this stream followed (request id {request.request_id!r}) is gone and another run of "
-                      f"the same idempotency key took its place; nothing can be resumed: send the request again "
-                      "with resume_from_index 0")
-
-
-def _in_background(future: asyncio.Future) -> None:
-    """A store write nobody waits for: its failure was logged where it happened."""
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
-def _mismatch(key: str) -> str:
-    return (f"idempotency key {key!r} was used for a different request (model, prompt or sampling differ); "
-            "use a new key for new work")
-
-
-def _final_chunk(state: RequestState) -> pb.GenerateChunk:
-    return pb.GenerateChunk(
-        request_id=state.request_id, attempt=state.attempt, index=len(state.token_ids),
-        finish_reason=convert.finish_reason(state.finish_reason),
-        usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
-        timeline=convert.timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
-    )
-
-
-def _complete_response(state: RequestState) -> pb.CompleteResponse:
-    return pb.CompleteResponse(
-        request_id=state.request_id, attempt=state.attempt, token_ids=state.token_ids, text="".join(state.text),
-        finish_reason=convert.finish_reason(state.finish_reason),
-        usage=pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids)),
-        timeline=convert.timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
-    )
-
-
-def _replay_chunks(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, resume_from: int):
-    """A stored result as a stream: the tokens after `resume_from` in one chunk, then the final chunk."""
-    if resume_from < len(result.token_ids):
-        yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=resume_from,
-                               token_ids=result.token_ids[resume_from:],
-                               text=_text_from(result, token_text, resume_from))
-    yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=len(result.token_ids),
-                           finish_reason=result.finish_reason, usage=result.usage, timeline=result.timeline)
-
-
-def _text_from(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, index: int) -> str:
-    """The text of the tokens from `index` on: the tail of the whole text, always."""
-    if index == 0:
-        return result.text
-    if token_text is not None and len(token_text) == len(result.token_ids):
-        return "".join(token_text[index:])
-    # A row stored before per-token text was kept: no honest split exists, so refuse rather than guess.
-    raise RunLost("this stored result cannot be resumed part-way; send the request again with resume_from_index 0 "
-                  "to receive it whole")
-
-
-class _Malformed:
-    """Stands for a request message whose bytes did not parse."""
-
-    model = ""
-    request_id = ""
-    traffic_class = 0
-
-    def WhichOneof(self, _):  # noqa: N802 - mirrors the protobuf API
-        return None
-
-
-MALFORMED = _Malformed()
-
-
-def _parse(message_type):
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except Exception:  # DecodeError and friends: answered INVALID_ARGUMENT, never INTERNAL
-            return MALFORMED
-    return parse
+MALFORMED = convert.MALFORMED  # what an RPC gets for bytes that did not parse (convert.parser)
+_parse = convert.parser
 
 
 def add_to_server(servicer: TokenlineServicer, server: grpc.aio.Server) -> None:
