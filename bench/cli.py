@@ -64,6 +64,14 @@ the most bulk throughput any schedule could give under the ITL target. Writes mi
 <server>/steps.png (per-step batch and step time, interactive arrivals marked) and each run's files.
 """
 
+RAY_CAPACITY_EXAMPLES = """examples:
+  tokenline bench ray-capacity --workers 3 4 5                 # local Ray clusters, 1,000 req/s run 10x slower
+  tokenline bench ray-capacity --ray-address auto --workers 4  # a running cluster
+Each worker is a Ray actor running the simulated engine at a fixed cost per batch; open-loop
+Poisson load over gRPC; measured waits and completion times (shown at full speed) beside
+the virtual-time simulator's prediction for the same settings.
+"""
+
 SIMULATE_EXAMPLES = """examples:
   tokenline bench simulate --workers 3 4 5 --windows-ms 0 10 20 --rate 1000
 """
@@ -161,6 +169,22 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sim.add_argument("--cost-ms", type=float, default=100.0, help="time one batch takes (default %(default)s)")
     sim.add_argument("--duration-s", type=float, default=30.0, help="simulated seconds (default %(default)s)")
     sim.add_argument("--seed", type=int, default=1, help="arrival seed (default %(default)s)")
+
+    rc = sub.add_parser("ray-capacity", help="the capacity question on real Ray worker actors, beside the simulator",
+                        epilog=RAY_CAPACITY_EXAMPLES, formatter_class=_formatter)
+    rc.add_argument("--workers", type=int, nargs="+", default=[3, 4, 5], help="worker counts to try (default 3 4 5)")
+    rc.add_argument("--ray-address", default=None,
+                    help="a Ray cluster to use (default: a local cluster started per run, one node per worker)")
+    rc.add_argument("--rate", type=float, default=1000.0, help="arrivals per second at full speed (default %(default)s)")
+    rc.add_argument("--batch", type=int, default=32, help="largest batch (default %(default)s)")
+    rc.add_argument("--cost-ms", type=float, default=100.0, help="time one batch takes at full speed (default %(default)s)")
+    rc.add_argument("--window-ms", type=float, default=10.0, help="admission window at full speed (default %(default)s)")
+    rc.add_argument("--duration-s", type=float, default=12.0, help="seconds of load at full speed (default %(default)s)")
+    rc.add_argument("--scale", type=float, default=10.0,
+                    help="run this many times slower, so one machine can drive the load (default %(default)s)")
+    rc.add_argument("--seed", type=int, default=1, help="arrival seed (default %(default)s)")
+    rc.add_argument("--out", default=None, help="output folder (default: a new temporary folder)")
+    rc.add_argument("--quiet", action="store_true", help="no progress line")
 
     lg = sub.add_parser("loadgen", help="measure how much load this machine's load generator can drive",
                         epilog=LOADGEN_EXAMPLES, formatter_class=_formatter)

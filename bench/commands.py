@@ -39,12 +39,19 @@ def cmd_web(args: argparse.Namespace) -> int:
     return web.run_command(args)
 
 
+def cmd_ray_capacity(args: argparse.Namespace) -> int:
+    from tokenline.bench.ray_capacity import cmd_ray_capacity as run_it
+
+    return run_it(args)
+
+
 def dispatch(args: argparse.Namespace) -> int:
     from tokenline.bench.runner import LoadGeneratorBehind
     from tokenline.bench.servers import ServerStartError
 
     command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "mixed": cmd_mixed, "simulate": cmd_simulate,
-               "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz, "web": cmd_web}[args.bench_command]
+               "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz, "web": cmd_web,
+               "ray-capacity": cmd_ray_capacity}[args.bench_command]
     try:
         return command(args)
     except (UsageError, PromptError, ValueError) as e:

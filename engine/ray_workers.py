@@ -107,8 +107,11 @@ class _WorkerActor:
     def run(self, address: tuple[str, int], authkey: bytes, worker_id: int, config: WorkerConfig) -> None:
         from tokenline.engine.worker import worker_main
 
+        import ray
+
         conn = multiprocessing.connection.Client(address, authkey=authkey)
-        worker_main(conn, worker_id, config)  # ends the actor's process (os._exit), like a local worker's
+        # Ends the actor's process: a crash or a failed start at once (os._exit), a clean stop through Ray.
+        worker_main(conn, worker_id, config, leave=ray.actor.exit_actor)
 
 
 class RayWorkerHandle:

@@ -44,8 +44,12 @@ _WORKER_ENV_DEFAULTS = {
 }
 
 
-def worker_main(conn: Connection, worker_id: int, config: WorkerConfig) -> None:
-    """The worker process: load the model, say what it can hold, then run the step loop."""
+def worker_main(conn: Connection, worker_id: int, config: WorkerConfig,
+                leave: Callable[[], None] | None = None) -> None:
+    """The worker process: load the model, say what it can hold, then run the step loop.
+
+    `leave` ends a worker that stopped cleanly (default: exit the process at once); a Ray actor
+    passes Ray's own exit, so that Ray records an intended end rather than a crash."""
     for name, value in _WORKER_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     os.environ["OMP_NUM_THREADS"] = str(config.threads)  # the plan's (or --threads') choice, before torch loads
@@ -69,6 +73,8 @@ def worker_main(conn: Connection, worker_id: int, config: WorkerConfig) -> None:
         StepLoop(conn, backend, fault_injection=config.fault_marker is not None).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the frontend is gone: nothing left to serve
+    if leave is not None:
+        leave()
     _exit(0)
 
 
