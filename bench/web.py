@@ -175,7 +175,7 @@ def _start_server(model: str) -> tuple[subprocess.Popen, str, str]:
     def pump() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
-            if m := re.search(r"gRPC-Web and the page on (http://\S+:\d+)/", line):
+            if m := re.search(r"gRPC-Web and the page on (https?://\S+:\d+)/", line):
                 found["web"] = m.group(1)
             if m := re.search(r"tokenline: serving on (\S+:\d+)", line):
                 found["grpc"] = m.group(1)

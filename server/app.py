@@ -184,7 +184,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
             await runtime.close()
             await asyncio.to_thread(telemetry.shutdown)
             return 1
-        print(f"tokenline: gRPC-Web and the page on http://{config.web.host}:{web_port}/", flush=True)
+        scheme = "https" if config.web.tls_cert else "http"
+        print(f"tokenline: gRPC-Web and the page on {scheme}://{config.web.host}:{web_port}/", flush=True)
     await server.start()
     print(f"tokenline: listening on {config.host}:{port} (default model {default_model}); loading workers…", flush=True)
     if telemetry.metrics_address is not None:

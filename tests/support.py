@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 READY = re.compile(r"tokenline: serving on (\S+):(\d+)")
 LISTENING = re.compile(r"tokenline: listening on (\S+):(\d+)")
-WEB = re.compile(r"tokenline: gRPC-Web and the page on (http://\S+:\d+)/")
+WEB = re.compile(r"tokenline: gRPC-Web and the page on (https?://\S+:\d+)/")
 
 
 class ServerProcess:
