@@ -10,8 +10,8 @@ the job over (or the caller cancelled it), and the write is refused with
 stored tokens are contiguous and never rewritten: what a watcher read once
 stays true whoever finishes the job.
 
-Both backends speak the same SQL (placeholders rewritten for psycopg). Every
-call runs on the store's own thread, in order; the event loop only awaits a
+Both backends speak the same SQL, on the connection handling of server/sqlstore.py:
+every call runs on the store's own thread, in order; the event loop only awaits a
 future. A store that cannot be reached answers `Unavailable`.
 
 Time is the frontends' wall clock (time.time()); frontends sharing PostgreSQL
@@ -23,22 +23,17 @@ splitting the SQL from the calls that use it would only scatter the invariants.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import pathlib
-import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tokenline.server.errors import Unavailable
+from tokenline.server.sqlstore import SqlStore
 
 log = logging.getLogger("tokenline.jobs")
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
 FINAL_STATES = ("succeeded", "failed", "cancelled", "expired")
-BUSY_TIMEOUT_S = 2.0
 MAX_TOKENS_PER_READ = 4096
 
 _COLUMNS = ("job_id", "tenant", "idempotency_key", "fingerprint", "model", "request", "prompt_ids", "sampling",
@@ -129,124 +124,17 @@ class NewJob:
     deadline: float | None
 
 
-class JobStore:
-    """One interface, two backends: `JobStore.open("path.sqlite3")` or `JobStore.open("postgresql://…")`."""
+class JobStore(SqlStore):
+    """One interface, two backends: `JobStore("path.sqlite3")` or `JobStore("postgresql://…")`."""
 
-    def __init__(self, target: str):
-        self.target = target
-        self.postgres = target.startswith(("postgresql://", "postgres://"))
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenline-jobs")
-        self._db = None
-        self._thread.submit(self._open).result()  # at start-up: a store that cannot open stops the server
-
-    @property
-    def description(self) -> str:
-        return "PostgreSQL" if self.postgres else f"SQLite {self.target}"
-
-    # ------------------------------------------------ called on the event loop
-
-    def call(self, method: str, *args) -> asyncio.Future:
-        """Run one of this class's blocking methods on the store's thread."""
-        return asyncio.wrap_future(self._thread.submit(self._guarded, getattr(self, method), *args))
-
-    def close(self) -> None:
-        self._thread.submit(self._close).result()
-        self._thread.shutdown()
-
-    def _guarded(self, fn, *args):
-        try:
-            if self._db is None:
-                self._connect()
-            return fn(*args)
-        except (Fenced, LookupError, ValueError):
-            raise
-        except Exception as err:
-            if not self._is_db_error(err):
-                raise
-            log.error("job store (%s): %s failed: %s", self.description, fn.__name__, err)
-            self._drop_connection()
-            raise Unavailable("the job store is unavailable right now; retry shortly") from None
-
-    def _is_db_error(self, err: Exception) -> bool:
-        """The store cannot be reached or used right now (not: this statement or its data is wrong,
-        which retrying cannot fix; those propagate, and a job hitting one fails after its attempts)."""
-        if isinstance(err, (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
-            return False
-        if isinstance(err, sqlite3.Error):
-            return True
-        if self.postgres:
-            import psycopg
-
-            if isinstance(err, (psycopg.DataError, psycopg.ProgrammingError, psycopg.IntegrityError)):
-                return False
-            return isinstance(err, psycopg.Error)
-        return False
-
-    # ------------------------------------------------ connection (store's thread)
+    what = "job store"
 
     def _open(self) -> None:
         self._connect()
         if self.postgres:
-            schema = _SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION")
+            self._script(_SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION"))
         else:
-            schema = _SCHEMA.format(blob="BLOB", real="REAL")
-        for statement in schema.split(";"):
-            if statement.strip():
-                self._x(statement)
-
-    def _connect(self) -> None:
-        if self.postgres:
-            import psycopg
-
-            self._db = psycopg.connect(self.target, autocommit=True, connect_timeout=int(BUSY_TIMEOUT_S) + 1)
-        else:
-            pathlib.Path(self.target).parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.target, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-
-    def _drop_connection(self) -> None:
-        if self.postgres and self._db is not None:
-            try:
-                self._db.close()
-            except Exception:
-                pass
-            self._db = None
-        elif self._db is not None and self._db.in_transaction:
-            try:
-                self._db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-
-    def _close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
-
-    def _x(self, sql: str, args: tuple = ()):
-        """Execute one statement; returns the cursor (rowcount, fetch*)."""
-        if self.postgres:
-            sql = sql.replace("?", "%s")
-        return self._db.execute(sql, args)
-
-    def _transaction(self):
-        store = self
-
-        class _Tx:
-            def __enter__(self):
-                store._x("BEGIN" if store.postgres else "BEGIN IMMEDIATE")
-
-            def __exit__(self, kind, *_):
-                if kind is None:
-                    store._x("COMMIT")
-                else:
-                    try:
-                        store._x("ROLLBACK")
-                    except Exception:
-                        pass
-                return False
-
-        return _Tx()
+            self._script(_SCHEMA.format(blob="BLOB", real="REAL"))
 
     # ------------------------------------------------ submissions and callers (store's thread)
 
