@@ -1,8 +1,12 @@
-"""Durable jobs through the API: submit, watch from any index, get, cancel, list, and the refusals.
+"""Durable jobs through the API: submit, watch from any index, get, cancel, list, the refusals, and
+accepted jobs surviving a SIGKILL of the whole server.
 
-One server for the module, on a SQLite job store; the tiny model.
+One server for the module, on a SQLite job store; the tiny model. The last test kills it for real
+(frontend and workers) and restarts a server on the same store.
 """
 
+import re
+import signal
 import sqlite3
 import threading
 
@@ -134,3 +138,60 @@ def test_a_locked_store_refuses_submissions_but_not_streams_or_accepted_jobs(ser
     assert refused.value.code.name == "UNAVAILABLE"
     assert sum(len(d.token_ids) for d in stream) == 32 and stream[-1].finish_reason == "length"
     assert chunks[-1].state == "succeeded" and sum(len(c.token_ids) for c in chunks) == 300
+
+
+ENDED = re.compile(r"job (\w+) ended (\w+)")
+
+
+def ended(*servers):
+    """job id -> how many times a server completed it (a server logs "job <id> ended" only after its
+    fenced end-state write succeeded)."""
+    counts = {}
+    for s in servers:
+        for line in s.lines:
+            m = ENDED.search(line)
+            if m:
+                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def tokens_of(chunks):
+    for a, b in zip(chunks, chunks[1:]):
+        assert b.index == a.index + len(a.token_ids)  # no gap, no repeat
+    return [t for c in chunks for t in c.token_ids]
+
+
+def watch_to_end(client, job_id, from_index=0):
+    chunks = list(client.watch_job(job_id, from_index, timeout=240))
+    assert chunks[-1].state == "succeeded", chunks[-1]
+    return chunks
+
+
+def test_jobs_survive_a_sigkill_of_the_whole_server_and_a_watcher_resumes_without_gap(server, db):
+    """Last in the module: it kills the module's server."""
+    first, second = server, None
+    try:
+        with Client(first.address) as client:
+            jobs = [client.submit_job(f"survive {i}", max_tokens=300, ignore_eos=True, temperature=1.0).job_id
+                    for i in range(4)]
+            seen = []
+            for chunk in client.watch_job(jobs[0], timeout=120):
+                seen.append(chunk)
+                if sum(len(c.token_ids) for c in seen) >= 30:
+                    break
+        first.signal(signal.SIGKILL)  # frontend and workers at once
+        first.wait(30)
+        second = ServerProcess(*ARGS, "--job-store", db, "--job-lease-s", "2").start()
+        with Client(second.address) as client:
+            next_index = seen[-1].index + len(seen[-1].token_ids)
+            rest = watch_to_end(client, jobs[0], next_index)
+            whole = {job: tokens_of(watch_to_end(client, job)) for job in jobs}
+            attempts = [client.get_job(job).attempts for job in jobs]
+    finally:
+        if second is not None:
+            second.stop()
+    assert all(len(t) == 300 for t in whole.values())
+    assert rest[0].index == next_index
+    assert tokens_of(seen) + tokens_of(rest) == whole[jobs[0]]  # every token once, the seen ones unchanged
+    assert {job: ended(first, second).get(job) for job in jobs} == {job: 1 for job in jobs}  # each accepted job completed exactly once
+    assert max(attempts) == 2  # at least one was taken over mid-way
