@@ -145,7 +145,6 @@ class Simulation:
         self._events: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self._timer_at: float | None = None
-        self._last_timer_run: float | None = None
         self.dispatched: list[tuple[float, str, int]] = []  # (time, key, worker) of every admission
         self._stops_after: dict[str, int | None] = {}
         self.max_queue = 0
@@ -179,7 +178,6 @@ class Simulation:
             elif kind == "timer":
                 if self._timer_at == t:
                     self._timer_at = None
-                    self._last_timer_run = t
                     self._handle(self.scheduler.on_timer())
             self._arm_timer()
             depth = sum(len(q) for m in self.scheduler.models.values() for q in m.queues.values())
@@ -205,11 +203,7 @@ class Simulation:
         wake = self.scheduler.next_wakeup()
         if wake is None:
             return
-        now = self.clock.now
-        if wake <= now:
-            if self._last_timer_run == now:
-                return  # already ran at this instant; capacity events will dispatch the rest
-            wake = now
+        wake = max(wake, self.clock.now)
         if self._timer_at is None or wake < self._timer_at:
             self._timer_at = wake
             self._push(wake, "timer", None)

@@ -1,7 +1,7 @@
 """The frontend's engine room: drives the scheduler from asyncio and fans out tokens.
 
 One `Runtime` per server. It owns the scheduler (clocked by time.monotonic),
-the worker processes (restarted when they die), and one mailbox per request.
+the worker supervisor (engine/supervisor.py), and one mailbox per request.
 Worker reader threads hand messages to the event loop; everything that touches
 the scheduler or a request runs on the loop, so nothing here needs a lock.
 Output is keyed by run (request, attempt, admission): anything from a run that
@@ -22,15 +22,14 @@ from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
 from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StepResult, StopRun
-from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, Shutdown, StepReport, TrafficClass, WorkerFailed, WorkerSpec, WorkItem
+from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, StepReport, TrafficClass, WorkerSpec, WorkItem
+from tokenline.engine.supervisor import Supervisor
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
 from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, InvalidRequest, Overloaded, Quarantined, ServingError, Unavailable
 from tokenline.server.timeline import Timeline
 
 log = logging.getLogger("tokenline.runtime")
-
-WATCHDOG_CHECK_S = 0.5  # how often silent workers are looked for
 
 
 @dataclass(frozen=True, order=True)
@@ -140,24 +139,25 @@ _END = object()  # sentinel in a request's mailbox: finished (or failed, see .er
 
 @dataclass
 class RuntimeStats:
-    worker_restarts: int = 0
-    completed: int = 0
+    completed: int = 0  # requests that ended, however
 
 
 class Runtime:
+    """Requests in, tokens out: the scheduler's decisions carried out on the event loop.
+
+    Workers are the supervisor's (engine/supervisor.py): it reports them ready, lost, or done
+    with a step, and this hands each report to the scheduler and each decision to a worker
+    or a request's callers.
+    """
+
     def __init__(self, scheduler_config: SchedulerConfig, workers: dict[str, tuple[WorkerConfig, int]],
                  *, restart_workers: bool = True, quarantine_s: float = 600.0, standby: int = 0,
                  watchdog: StepWatchdog | None = None, worker_factory: Callable[..., WorkerHandle] = WorkerHandle):
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
-        # How a worker is started: a local process (WorkerHandle) or a Ray actor (engine/ray_workers.py).
-        self.worker_factory = worker_factory
         self.requests: dict[RequestKey, RequestState] = {}  # in flight; runs are the scheduler's to index
-        self.handles: dict[int, WorkerHandle] = {}
-        self.specs: dict[int, WorkerSpec] = {}
         self.stats = RuntimeStats()
-        self.restart_workers = restart_workers
         self.quarantine_s = quarantine_s
         self._quarantined: dict[str, float] = {}  # fingerprint -> refused until (monotonic)
         self.on_step: list[Callable[[StepResult], None]] = []  # each step report, as the scheduler read it
@@ -166,94 +166,36 @@ class Runtime:
         self.on_action: list[Callable[[object], None]] = []  # each scheduler action, once carried out
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self._last_timer_run: float | None = None
-        self._next_worker_id = 0
-        self._worker_model: dict[int, str] = {}
-        # Standby workers load the model but take no work until an active worker dies.
-        self.standby = standby
-        self._standby_ids: set[int] = set()  # spawned as standby, not yet promoted
-        self._standby_ready: dict[str, dict[int, WorkerSpec]] = {name: {} for name in workers}
         self._closing = False
-        self.start_errors: dict[str, str] = {}
-        self.watchdog = watchdog  # None: a hung worker is never declared lost
-        self._watch_timer: asyncio.TimerHandle | None = None
+        # A local process (WorkerHandle) or a Ray actor (engine/ray_workers.py) per worker.
+        self.workers = Supervisor(workers, on_ready=self._worker_ready, on_lost=self._worker_lost, on_step=self._on_step,
+                                  on_capacity=self._capacity_changed, restart=restart_workers, standby=standby,
+                                  watchdog=watchdog, busy=self._busy_workers, heaviest_step_s=self._heaviest_step_s,
+                                  factory=worker_factory)
 
     # -------------------------------------------------------------- workers
 
     def start(self) -> None:
-        if self.watchdog is not None:
-            self._watch_timer = self.loop.call_later(WATCHDOG_CHECK_S, self._check_silence)
-        for model, (cfg, count) in self.worker_configs.items():
-            for _ in range(count):
-                self._spawn(model, cfg)
-            for _ in range(self.standby):
-                self._spawn(model, cfg, standby=True)
+        self.workers.start()
 
-    def _spawn(self, model: str, cfg: WorkerConfig, *, standby: bool = False) -> None:
-        wid = self._next_worker_id
-        self._next_worker_id += 1
-        self._worker_model[wid] = model
-        if standby:
-            self._standby_ids.add(wid)
-        handle = self.worker_factory(
-            wid, cfg,
-            on_message=lambda w, m: self.loop.call_soon_threadsafe(self._on_worker_message, w, m),
-            on_exit=lambda w, code: self.loop.call_soon_threadsafe(self._on_worker_exit, w, code),
-        )
-        self.handles[wid] = handle
-        handle.start()
+    @property
+    def specs(self) -> dict[int, WorkerSpec]:
+        """Workers ready and taking work, by id."""
+        return self.workers.specs
+
+    @property
+    def start_errors(self) -> dict[str, str]:
+        """Models whose worker could not start, and why."""
+        return self.workers.start_errors
 
     def model_loaded(self, model: str) -> bool:
         return any(s.model == model for s in self.specs.values())
 
-    def _on_worker_message(self, wid: int, msg: object) -> None:
-        if isinstance(msg, StepReport):
-            self._on_step(msg)
-        elif isinstance(msg, WorkerSpec) and wid in self._standby_ids:
-            self._standby_ready[msg.model][wid] = msg
-            log.info("standby worker %d ready: model %s, pid %d", wid, msg.model, msg.pid)
-        elif isinstance(msg, WorkerSpec):
-            self._activate(wid, msg)
-        elif isinstance(msg, WorkerFailed):
-            model = self._worker_model.get(wid, "?")
-            self.start_errors[model] = msg.message
-            log.error("worker %d failed to start: %s", wid, msg.message)
-
-    def _activate(self, wid: int, spec: WorkerSpec) -> None:
-        self.specs[wid] = spec
-        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, attention kernel %s, self-check %s",
-                 wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",
-                 spec.attention_kernel or "-", spec.self_check or "-")
-        placement = getattr(self.handles.get(wid), "placement", None)
-        if placement is not None:  # a Ray actor: where Ray put it
-            log.info("worker %d ready: model %s on Ray node %s (host %s, pid %d)", wid, spec.model, placement.node_id,
-                     placement.host, placement.pid)
+    def _worker_ready(self, spec: WorkerSpec) -> None:
         self._handle(self.scheduler.add_worker(spec))
-        self._capacity_changed()
 
-    def _on_worker_exit(self, wid: int, exitcode: int | None) -> None:
-        if self.watchdog is not None:
-            self.watchdog.forget(wid)
-        handle = self.handles.pop(wid, None)
-        self.specs.pop(wid, None)
-        model = self._worker_model.pop(wid, None)
-        was_standby = wid in self._standby_ids
-        self._standby_ids.discard(wid)
-        if model is not None:
-            self._standby_ready[model].pop(wid, None)
-        if handle is None or self._closing:
-            return
-        log.warning("%sworker %d (model %s) exited with code %s", "standby " if was_standby else "", wid, model, exitcode)
-        if not was_standby:
-            self._handle(self.scheduler.worker_lost(wid))
-            promoted = self._promote_standby(model) if model is not None else False
-            if not promoted:
-                self._capacity_changed()
-        if self.restart_workers and model is not None and model not in self.start_errors:
-            self.stats.worker_restarts += 1
-            # A promoted standby is replaced by a new standby; otherwise the worker itself restarts.
-            standby = was_standby or (self.standby > 0 and len(self._standby_ids) < self.standby)
-            self._spawn(model, self.worker_configs[model][0], standby=standby and not self._needs_active(model))
+    def _worker_lost(self, wid: int) -> None:
+        self._handle(self.scheduler.worker_lost(wid))
 
     def _busy_workers(self) -> set[int]:
         return {wid for wid in self.scheduler.workers if self.scheduler.running(wid)}
@@ -264,37 +206,6 @@ class Runtime:
         if view is None or spec is None:
             return 0.0
         return view.estimator.predict_s(spec.max_seqs, spec.prefill_token_budget)
-
-    def _check_silence(self) -> None:
-        """Kill a worker that has work in flight but has stopped reporting steps (hung, stopped):
-        its exit then takes the path of any crash, and its runs continue as new attempts."""
-        if self._closing or self.watchdog is None:
-            return
-        for silence in self.watchdog.silent(self._busy_workers(), time.monotonic()):
-            handle = self.handles.get(silence.worker_id)
-            if handle is None:
-                continue
-            log.error("worker %d sent no step report for %.1f s with work in flight (limit %.1f s): declared lost, killing it",
-                      silence.worker_id, silence.silent_s, silence.limit_s)
-            self.watchdog.forget(silence.worker_id)
-            handle.kill()
-        self._watch_timer = self.loop.call_later(WATCHDOG_CHECK_S, self._check_silence)
-
-    def _promote_standby(self, model: str) -> bool:
-        """Put a loaded standby worker to work at once, in place of one that died."""
-        ready = self._standby_ready[model]
-        if not ready:
-            return False
-        wid, spec = ready.popitem()
-        self._standby_ids.discard(wid)
-        log.warning("standby worker %d takes over for model %s", wid, model)
-        self._activate(wid, spec)
-        return True
-
-    def _needs_active(self, model: str) -> bool:
-        """Fewer active (or loading, non-standby) workers than configured."""
-        active = sum(1 for w, m in self._worker_model.items() if m == model and w not in self._standby_ids)
-        return active < self.worker_configs[model][1]
 
     def _capacity_changed(self) -> None:
         serving = all(self.model_loaded(m) for m in self.worker_configs)
@@ -363,8 +274,6 @@ class Runtime:
 
     def _on_step(self, report: StepReport) -> None:
         now = time.monotonic()
-        if self.watchdog is not None:
-            self.watchdog.on_step(report.worker_id, report.step_s, now, self._heaviest_step_s(report.worker_id))
         result = self.scheduler.on_step(report)
         for key in result.started:
             st = self.requests.get(key)
@@ -440,8 +349,8 @@ class Runtime:
         self._quarantined[fingerprint] = now + self.quarantine_s
 
     def _dispatch(self, d: Dispatch, now: float) -> None:
-        if self.watchdog is not None and d.idle_before:
-            self.watchdog.expect(d.worker_id, now)  # an idle worker's silence was not a hang
+        if d.idle_before:
+            self.workers.expect(d.worker_id)
         items = []
         for adm in d.admissions:
             st = self.requests[adm.key]
@@ -461,23 +370,14 @@ class Runtime:
         self._send(d.worker_id, Admit(d.seq, tuple(items)))
 
     def _send(self, wid: int | None, msg: object) -> None:
-        handle = self.handles.get(wid) if wid is not None else None
-        if handle is None:
-            return
-        try:
-            handle.send(msg)
-        except (BrokenPipeError, OSError, EOFError):
-            pass  # its exit is being reported; the scheduler will requeue its runs
+        self.workers.send(wid, msg)
 
     def _arm_timer(self) -> None:
         wake = self.scheduler.next_wakeup()
         if wake is None:
             return
         now = time.monotonic()
-        if wake <= now:
-            if self._last_timer_run is not None and self._last_timer_run >= wake:
-                return  # already acted on it; a capacity change will dispatch the rest
-            wake = now
+        wake = max(wake, now)
         if self._timer is not None and self._timer_at is not None and self._timer_at <= wake:
             return
         if self._timer is not None:
@@ -487,7 +387,6 @@ class Runtime:
 
     def _on_timer(self) -> None:
         self._timer = self._timer_at = None
-        self._last_timer_run = time.monotonic()
         self._handle(self.scheduler.on_timer())
 
     # ------------------------------------------------------------- shutdown
@@ -497,18 +396,10 @@ class Runtime:
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closing = True
-        if self._watch_timer is not None:
-            self._watch_timer.cancel()
         for key in list(self.requests):
             self.scheduler.cancel(key)  # its actions are moot: every worker is told to shut down
             self._finish(key, None, Unavailable("the server shut down before the request finished"))
-        for h in list(self.handles.values()):
-            try:
-                h.send(Shutdown())
-            except (BrokenPipeError, OSError, EOFError):
-                pass
-        await asyncio.gather(*(asyncio.to_thread(h.terminate, timeout) for h in list(self.handles.values())))
-        self.handles.clear()
+        await self.workers.close(timeout)
 
 
 def _run_hooks(hooks: list[Callable], *args: object) -> None:

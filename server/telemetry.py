@@ -402,7 +402,7 @@ class Telemetry:
                                      "attention_kernel": spec.attention_kernel.split(" (")[0],
                                      "self_check": spec.self_check.split(":")[0]}
         snap.stale = rt.scheduler.counters.stale_outputs
-        snap.restarts = rt.stats.worker_restarts
+        snap.restarts = rt.workers.restarts
         return snap
 
     def _read(self) -> _Snapshot:

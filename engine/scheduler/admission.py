@@ -8,15 +8,25 @@ Scheduler; reads its state, changes none of it.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from tokenline.engine.scheduler.budget import blocks_at_most
+from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.records import Entry, Refusal, Refuse
 from tokenline.engine.scheduler.state import ModelState, WorkerView
 from tokenline.engine.types import TrafficClass
 
 
 class AdmissionControl:
-    """Estimates and refusals; expects the Scheduler's `config`, `models`, `workers`, `entries`."""
+    """Estimates and refusals, mixed into the Scheduler: reads the state declared here (the
+    Scheduler's, set in its __init__) and changes none of it."""
+
+    config: SchedulerConfig
+    models: dict[str, ModelState]
+    workers: dict[int, WorkerView]
+    entries: dict[str, Entry]
+    _tenant_inflight: Counter[str]  # queued + running requests per tenant
+    _tenant_queued_tokens: Counter[str]  # prompt + max new tokens queued per tenant
 
     def _check_admissible(self, e: Entry, now: float) -> Refuse | None:
         if e.key in self.entries:

@@ -16,6 +16,7 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget, blocks_for
@@ -44,6 +45,16 @@ from tokenline.engine.types import FinishReason, StepReport, TrafficClass, Worke
 CLASSES = (TrafficClass.INTERACTIVE, TrafficClass.BULK)
 
 
+@dataclass
+class _Round:
+    """One admission round's working state, per worker: budget left, still taking work, admitted."""
+
+    workers: list[int]
+    budgets: dict[int, StepBudget]
+    open: dict[int, bool]
+    admitted: dict[int, list[Admission]]
+
+
 class Scheduler(AdmissionControl):
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float]):
         self.config = config
@@ -55,7 +66,7 @@ class Scheduler(AdmissionControl):
         self._deadlines: list[tuple[float, str]] = []  # heap; stale rows skipped lazily
         self._tenant_inflight: Counter[str] = Counter()
         self._tenant_queued_tokens: Counter[str] = Counter()
-        self._preempting = False
+        self._decided_at: dict[str, float] = {}  # model -> when its dispatch rule was last applied
 
     # ------------------------------------------------------------------ events
 
@@ -216,69 +227,83 @@ class Scheduler(AdmissionControl):
         return actions
 
     def next_wakeup(self) -> float | None:
-        """The earliest time `on_timer` has something to do."""
+        """The earliest time `on_timer` has something to do: a deadline, or an admission rule that
+        fires after the model's last decision (one that fired by then and admitted nothing waits
+        for capacity, which comes with an event, never with a timer)."""
         while self._deadlines and self._deadlines[0][1] not in self.entries:
             heapq.heappop(self._deadlines)
         times = [self._deadlines[0][0]] if self._deadlines else []
         for name, model in self.models.items():
+            decided = self._decided_at.get(name, -math.inf)
             for cls in CLASSES:
                 t = self._rule_fires_at(name, model, cls)
-                if t is not None:
+                if t is not None and t > decided:
                     times.append(t)
         return min(times, default=None)
 
     # ------------------------------------------------------------- dispatching
 
     def _dispatch(self, model_name: str, now: float | None = None) -> list[Action]:
-        """Admit what the dispatch rule releases: interactive on every worker first, then bulk."""
+        """Every event's decision: expire what is overdue, admit what the dispatch rule releases,
+        and, if interactive work still fits nowhere, preempt bulk for it and admit once more."""
         now = self.clock() if now is None else now
         model = self.models[model_name]
+        self._decided_at[model_name] = now
         actions: list[Action] = self._expire_overdue(now)
+        admitted = self._admit_queued(model_name, model, now)
+        if self.config.preempt_bulk:
+            stopped = self._preempt_for_interactive(model_name, model, now)
+            if stopped:
+                actions += admitted + stopped
+                admitted = self._admit_queued(model_name, model, now)
+        self._note_capacity(model, now)
+        return actions + self._compose(model) + admitted  # the plan before the admissions: in place when they land
+
+    def _admit_queued(self, model_name: str, model: ModelState, now: float) -> list[Action]:
+        """Interactive on every worker first, then bulk; passes until nothing moves (a head that fits
+        no worker may unblock one behind it elsewhere, and slots held for waiting bulk return to
+        interactive once bulk has gone). One Dispatch per worker that got anything."""
         workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
-        budgets = {wid: self._budget(self.workers[wid]) for wid in workers}
-        open_ = {wid: self.workers[wid].accepting() for wid in workers}
-        admitted: dict[int, list[Admission]] = {wid: [] for wid in workers}
-        # Passes until nothing moves: a head that fits no worker may unblock one behind it
-        # elsewhere, and slots held for waiting bulk return to interactive once bulk has gone.
-        progress = True
-        while progress:
-            progress = False
-            for cls in CLASSES:
-                queue = model.queues[cls]
-                fires = {wid: open_[wid] and self._rule_fires(model_name, cls, budgets[wid], now) for wid in workers}
-                while queue:
-                    e = queue.peek()
-                    candidates = [wid for wid in workers if fires[wid] and open_[wid]
-                                  and self._can_take(e, self.workers[wid], budgets[wid], model, admitted[wid], now)]
-                    if not candidates:
-                        break  # the head fits nowhere now: it keeps its place
-                    wid = min(candidates, key=lambda i: self._first_token_at(e, self.workers[i], now))
-                    w = self.workers[wid]
-                    if self._cannot_complete(e, w, now):
-                        self._dequeue(e)  # it asked to finish by its deadline, and no longer can
-                        transition(e, Status.EXPIRED)
-                        self._forget(e)
-                        actions.append(Expire(e.key))
-                        continue
-                    budgets[wid].try_admit(e)
-                    self._dequeue(e, admitted=True)
-                    admitted[wid].append(self._admit(e, w, now))
-                    open_[wid] = not self._isolated(e)
-                    progress = True
+        r = _Round(workers, {wid: self._budget(self.workers[wid]) for wid in workers},
+                   {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
+        actions: list[Action] = []
+        while any([self._admit_class(model_name, model, cls, r, now, actions) for cls in CLASSES]):  # both classes every pass
+            pass
         for wid in workers:
-            if admitted[wid]:
+            if r.admitted[wid]:
                 w = self.workers[wid]
                 w.seq += 1
-                w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in admitted[wid])
-                actions.append(Dispatch(wid, w.seq, tuple(admitted[wid]), idle_before=len(w.running) == len(admitted[wid])))
-        if self.config.preempt_bulk and not self._preempting:
-            self._preempting = True
-            try:
-                actions += self._preempt_for_interactive(model_name, model, now)
-            finally:
-                self._preempting = False
-        self._note_capacity(model, now)
-        return self._compose(model) + actions  # the plan first: it is in place when the admissions land
+                w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in r.admitted[wid])
+                actions.append(Dispatch(wid, w.seq, tuple(r.admitted[wid]), idle_before=len(w.running) == len(r.admitted[wid])))
+        return actions
+
+    def _admit_class(self, model_name: str, model: ModelState, cls: TrafficClass, r: _Round, now: float,
+                     actions: list[Action]) -> bool:
+        """Admit heads of `cls`'s queue where its dispatch rule fires, each on the worker where its
+        first token comes soonest; stops at a head that fits nowhere. True if any moved."""
+        queue = model.queues[cls]
+        fires = {wid: r.open[wid] and self._rule_fires(model_name, cls, r.budgets[wid], now) for wid in r.workers}
+        moved = False
+        while queue:
+            e = queue.peek()
+            candidates = [wid for wid in r.workers if fires[wid] and r.open[wid]
+                          and self._can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
+            if not candidates:
+                return moved  # the head fits nowhere now: it keeps its place
+            wid = min(candidates, key=lambda i: self._first_token_at(e, self.workers[i], now))
+            w = self.workers[wid]
+            if self._cannot_complete(e, w, now):
+                self._dequeue(e)  # it asked to finish by its deadline, and no longer can
+                transition(e, Status.EXPIRED)
+                self._forget(e)
+                actions.append(Expire(e.key))
+                continue
+            r.budgets[wid].try_admit(e)
+            self._dequeue(e, admitted=True)
+            r.admitted[wid].append(self._admit(e, w, now))
+            r.open[wid] = not self._isolated(e)
+            moved = True
+        return moved
 
     def _compose(self, model: ModelState) -> list[Action]:
         """Each worker's step plan for what now runs on it; sent only when its limits change."""
@@ -418,8 +443,7 @@ class Scheduler(AdmissionControl):
                 budget.blocks += v.blocks
             if not chosen or not budget.fits(head):
                 continue
-            actions = [self._preempt(v, now) for v in chosen]
-            return actions + self._dispatch(model_name)
+            return [self._preempt(v, now) for v in chosen]
         return []
 
     def _recount_blocks(self, e: Entry, w: WorkerView) -> None:

@@ -1,0 +1,194 @@
+"""Worker supervision: start each model's workers, restart the ones that die, promote standbys,
+and kill a worker that falls silent with work in flight.
+
+The supervisor owns the worker handles and what each one is (active or standby, which model,
+its spec once it is ready). It decides nothing about requests: it reports back by callbacks,
+all called on the event loop it is given:
+
+- `on_ready(spec)`: a worker is ready to take work (a new one, or a standby promoted);
+- `on_lost(worker_id)`: an active worker is gone (its runs are the caller's to requeue);
+- `on_step(report)`: an active worker finished a step;
+- `on_capacity()`: the set of ready workers changed (after `on_ready`/`on_lost`).
+
+A handle is anything with the `WorkerHandle` contract (engine/worker.py): built as
+`factory(worker_id, config, on_message=..., on_exit=...)`, with `start()`, `send(msg)`,
+`kill()` and `terminate(timeout)`; its callbacks may come from any thread. A local process
+and a Ray actor (engine/ray_workers.py) both fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.types import Shutdown, StepReport, WorkerFailed, WorkerSpec
+from tokenline.engine.watchdog import StepWatchdog
+from tokenline.engine.worker import WorkerHandle
+
+log = logging.getLogger("tokenline.runtime")
+
+WATCHDOG_CHECK_S = 0.5  # how often silent workers are looked for
+
+
+class Supervisor:
+    def __init__(self, workers: dict[str, tuple[WorkerConfig, int]], *,
+                 on_ready: Callable[[WorkerSpec], None], on_lost: Callable[[int], None],
+                 on_step: Callable[[StepReport], None], on_capacity: Callable[[], None],
+                 restart: bool = True, standby: int = 0, watchdog: StepWatchdog | None = None,
+                 busy: Callable[[], set[int]] = set, heaviest_step_s: Callable[[int], float] = lambda wid: 0.0,
+                 factory: Callable[..., Any] = WorkerHandle):
+        self.loop = asyncio.get_running_loop()
+        self.worker_configs = workers
+        self.on_ready, self.on_lost, self.on_step, self.on_capacity = on_ready, on_lost, on_step, on_capacity
+        self.restart = restart
+        self.standby = standby  # per model: loaded, idle, promoted the moment an active worker dies
+        self.watchdog = watchdog  # None: a hung worker is never declared lost
+        self.busy = busy  # workers with work in flight (the scheduler knows)
+        self.heaviest_step_s = heaviest_step_s  # the step-time model's estimate of a worker's heaviest step
+        self.factory = factory  # how a worker is started: a local process, or a Ray actor
+        self.handles: dict[int, Any] = {}
+        self.specs: dict[int, WorkerSpec] = {}  # ready, active workers
+        self.restarts = 0
+        self.start_errors: dict[str, str] = {}  # model -> why its worker could not start (never restarted)
+        self._next_id = 0
+        self._model_of: dict[int, str] = {}
+        self._standby_ids: set[int] = set()  # spawned as standby, not yet promoted
+        self._standby_ready: dict[str, dict[int, WorkerSpec]] = {name: {} for name in workers}
+        self._closing = False
+        self._watch_timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        if self.watchdog is not None:
+            self._watch_timer = self.loop.call_later(WATCHDOG_CHECK_S, self._check_silence)
+        for model, (cfg, count) in self.worker_configs.items():
+            for _ in range(count):
+                self._spawn(model, cfg)
+            for _ in range(self.standby):
+                self._spawn(model, cfg, standby=True)
+
+    def send(self, worker_id: int | None, msg: object) -> None:
+        """To a live worker; a message to one that is gone (or going) is dropped: its exit reports it."""
+        handle = self.handles.get(worker_id) if worker_id is not None else None
+        if handle is None:
+            return
+        try:
+            handle.send(msg)
+        except (BrokenPipeError, OSError, EOFError):
+            pass  # its exit is being reported; its runs will be requeued then
+
+    def expect(self, worker_id: int) -> None:
+        """Work went to a worker that had none: its silence so far was no hang."""
+        if self.watchdog is not None:
+            self.watchdog.expect(worker_id, time.monotonic())
+
+    async def close(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+        for h in list(self.handles.values()):
+            try:
+                h.send(Shutdown())
+            except (BrokenPipeError, OSError, EOFError):
+                pass
+        await asyncio.gather(*(asyncio.to_thread(h.terminate, timeout) for h in list(self.handles.values())))
+        self.handles.clear()
+
+    # ------------------------------------------------------------ internals
+
+    def _spawn(self, model: str, cfg: WorkerConfig, *, standby: bool = False) -> None:
+        wid = self._next_id
+        self._next_id += 1
+        self._model_of[wid] = model
+        if standby:
+            self._standby_ids.add(wid)
+        handle = self.factory(
+            wid, cfg,
+            on_message=lambda w, m: self.loop.call_soon_threadsafe(self._on_message, w, m),
+            on_exit=lambda w, code: self.loop.call_soon_threadsafe(self._on_exit, w, code),
+        )
+        self.handles[wid] = handle
+        handle.start()
+
+    def _on_message(self, wid: int, msg: object) -> None:
+        if isinstance(msg, StepReport):
+            if self.watchdog is not None:
+                self.watchdog.on_step(wid, msg.step_s, time.monotonic(), self.heaviest_step_s(wid))
+            self.on_step(msg)
+        elif isinstance(msg, WorkerSpec) and wid in self._standby_ids:
+            self._standby_ready[msg.model][wid] = msg
+            log.info("standby worker %d ready: model %s, pid %d", wid, msg.model, msg.pid)
+        elif isinstance(msg, WorkerSpec):
+            self._activate(wid, msg)
+        elif isinstance(msg, WorkerFailed):
+            self.start_errors[self._model_of.get(wid, "?")] = msg.message
+            log.error("worker %d failed to start: %s", wid, msg.message)
+
+    def _activate(self, wid: int, spec: WorkerSpec) -> None:
+        self.specs[wid] = spec
+        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, attention kernel %s, self-check %s",
+                 wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",
+                 spec.attention_kernel or "-", spec.self_check or "-")
+        placement = getattr(self.handles.get(wid), "placement", None)
+        if placement is not None:  # a Ray actor: where Ray put it
+            log.info("worker %d ready: model %s on Ray node %s (host %s, pid %d)", wid, spec.model, placement.node_id,
+                     placement.host, placement.pid)
+        self.on_ready(spec)
+        self.on_capacity()
+
+    def _on_exit(self, wid: int, exitcode: int | None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.forget(wid)
+        handle = self.handles.pop(wid, None)
+        self.specs.pop(wid, None)
+        model = self._model_of.pop(wid, None)
+        was_standby = wid in self._standby_ids
+        self._standby_ids.discard(wid)
+        if model is not None:
+            self._standby_ready[model].pop(wid, None)
+        if handle is None or self._closing:
+            return
+        log.warning("%sworker %d (model %s) exited with code %s", "standby " if was_standby else "", wid, model, exitcode)
+        if not was_standby:
+            self.on_lost(wid)
+            if model is None or not self._promote_standby(model):
+                self.on_capacity()
+        if self.restart and model is not None and model not in self.start_errors:
+            self.restarts += 1
+            # A promoted standby is replaced by a new standby; otherwise the worker itself restarts.
+            standby = was_standby or (self.standby > 0 and len(self._standby_ids) < self.standby)
+            self._spawn(model, self.worker_configs[model][0], standby=standby and not self._needs_active(model))
+
+    def _promote_standby(self, model: str) -> bool:
+        """Put a loaded standby worker to work at once, in place of one that died."""
+        ready = self._standby_ready[model]
+        if not ready:
+            return False
+        wid, spec = ready.popitem()
+        self._standby_ids.discard(wid)
+        log.warning("standby worker %d takes over for model %s", wid, model)
+        self._activate(wid, spec)
+        return True
+
+    def _needs_active(self, model: str) -> bool:
+        """Fewer active (or loading, non-standby) workers than configured."""
+        active = sum(1 for w, m in self._model_of.items() if m == model and w not in self._standby_ids)
+        return active < self.worker_configs[model][1]
+
+    def _check_silence(self) -> None:
+        """Kill a worker that has work in flight but has stopped reporting steps (hung, stopped):
+        its exit then takes the path of any crash, and its runs continue as new attempts."""
+        if self._closing or self.watchdog is None:
+            return
+        for silence in self.watchdog.silent(self.busy(), time.monotonic()):
+            handle = self.handles.get(silence.worker_id)
+            if handle is None:
+                continue
+            log.error("worker %d sent no step report for %.1f s with work in flight (limit %.1f s): declared lost, killing it",
+                      silence.worker_id, silence.silent_s, silence.limit_s)
+            self.watchdog.forget(silence.worker_id)
+            handle.kill()
+        self._watch_timer = self.loop.call_later(WATCHDOG_CHECK_S, self._check_silence)
