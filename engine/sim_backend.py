@@ -2,9 +2,9 @@
 
 It schedules like vLLM (continuous batching, chunked prefill under a token
 budget, KV blocks allocated as sequences grow, recompute preemption of the
-least urgent sequence when blocks run out) and takes, per step,
-`base + per_seq * batch + per_prefill_token * prefill tokens` seconds, spent
-in an injectable sleep. Tokens are a deterministic function of the prompt, so
+least urgent sequence when blocks run out) and takes, per step, what its
+`StepCost` says (the cost model virtual-time simulation uses too), spent in an
+injectable sleep. Tokens are a deterministic function of the prompt, so
 runs repeat exactly. With `sim_fixed_batch` it is a static-batching server
 instead: a batch is formed only when the worker is empty and all its
 sequences are reported finished together when its longest one ends.
@@ -33,6 +33,26 @@ from tokenline.engine.types import FinishReason, SeqOutput, StepPlan, StepReport
 _DEFAULT_VOCAB = 32000
 _DEFAULT_KV_BYTES_PER_TOKEN = 16 * 1024
 _COMMIT_EVERY = 32  # decode text in windows of this many tokens, so a step costs O(window), not O(length)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The simulated engine's step time, in seconds: `base + per_seq * batch + per_prefill_token * prefill`.
+
+    One cost model for both simulations: this backend (a worker process, real time) and the
+    virtual-time workers of engine/simulation.py.
+    """
+
+    base_s: float
+    per_seq_s: float = 0.0
+    per_prefill_token_s: float = 0.0
+
+    def __call__(self, batch: int, prefill_tokens: int) -> float:
+        return self.base_s + self.per_seq_s * batch + self.per_prefill_token_s * prefill_tokens
+
+    @classmethod
+    def of(cls, config: WorkerConfig) -> StepCost:
+        return cls(config.sim_step_base_s, config.sim_step_per_seq_s, config.sim_prefill_per_token_s)
 
 
 class SimModel:
@@ -85,6 +105,7 @@ class SimBackend:
         self.config = config
         self.worker_id = worker_id
         self.sleep = sleep
+        self.cost = StepCost.of(config)
         self.model = SimModel(config.model_path)
         self.max_model_len = min(config.max_model_len, self.model.context_len)
         self.kv_blocks_total = max(1, config.kv_cache_bytes // (config.block_size * self.model.kv_bytes_per_token))
@@ -149,11 +170,7 @@ class SimBackend:
             batch, prefill = self._schedule_continuous()
         step_s = 0.0
         if batch:
-            step_s = (
-                self.config.sim_step_base_s
-                + self.config.sim_step_per_seq_s * len(batch)
-                + self.config.sim_prefill_per_token_s * sum(prefill.values())
-            )
+            step_s = self.cost(len(batch), sum(prefill.values()))
             self.sleep(step_s)
         first = [s.item.key for s in batch if not s.scheduled_once]
         for seq in batch:

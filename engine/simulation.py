@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
 from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refuse, Retry, StopRun, request_of
+from tokenline.engine.sim_backend import StepCost
 from tokenline.engine.types import SeqOutput, StepPlan, StepReport, TrafficClass, WorkerSpec
 
 
@@ -72,11 +73,12 @@ CostModel = Callable[[int, int], float]  # (batch size, prefill tokens) -> secon
 
 
 def fixed_cost(seconds: float) -> CostModel:
-    return lambda batch, prefill: seconds
+    return StepCost(seconds)
 
 
 def linear_cost(base_s: float, per_seq_s: float, per_prefill_token_s: float = 0.0) -> CostModel:
-    return lambda batch, prefill: base_s + per_seq_s * batch + per_prefill_token_s * prefill
+    """The simulated engine's cost model (engine/sim_backend.py StepCost)."""
+    return StepCost(base_s, per_seq_s, per_prefill_token_s)
 
 
 @dataclass
