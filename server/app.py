@@ -56,9 +56,10 @@ class ServeConfig:
     tls_cert: str | None = None  # PEM server certificate chain; with tls_key, serve TLS
     tls_key: str | None = None
     tls_client_ca: str | None = None  # PEM CA: require client certificates (mutual TLS); tenant = CN
-    idempotency_db: str | None = None  # SQLite file; None: idempotency keys are refused
+    idempotency_db: str | None = None  # SQLite file or postgresql://…; None: idempotency keys are refused
     idempotency_ttl_s: float = 86_400.0
     standby_workers: int = 0  # per model: loaded, idle, promoted when a worker dies
+    idempotency_lease_s: float = 10.0  # PostgreSQL: a dead frontend's keyed runs are run again this long after it stopped renewing
     # A worker with work in flight that reports no step for this long (or 10x its longest recent
     # step, if more) is declared lost and killed; 0 turns the watchdog off.
     step_watchdog_s: float = 5.0
@@ -105,7 +106,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         return 2
     # Per-tenant quotas from the keys file feed the scheduler's limits, on top of the configured ones.
     scheduler_config = replace(config.scheduler, tenants={**config.scheduler.tenants, **auth.quotas()})
-    idempotency = IdempotencyStore(config.idempotency_db, config.idempotency_ttl_s) if config.idempotency_db else None
+    idempotency = (IdempotencyStore(config.idempotency_db, config.idempotency_ttl_s, config.idempotency_lease_s)
+                   if config.idempotency_db else None)
     watchdog = StepWatchdog(config.step_watchdog_s) if config.step_watchdog_s > 0 else None
     worker_factory = WorkerHandle
     if config.ray_address:

@@ -87,9 +87,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certificates; tenant = certificate CN")
-    p.add_argument("--idempotency-db", default=None, metavar="PATH",
-                   help="SQLite file for idempotency keys (default: <cache>/idempotency-<port>.sqlite3, one per server; "
-                        "with --port 0, in memory; 'off' disables)")
+    p.add_argument("--idempotency-db", default=None, metavar="PATH|URI",
+                   help="where idempotency keys and results live: a SQLite file, or postgresql://… shared by several "
+                        "frontends (default: <cache>/idempotency-<port>.sqlite3, one per server; with --port 0, "
+                        "in memory; 'off' disables)")
     p.add_argument("--idempotency-ttl-s", type=float, default=86_400.0, help="how long results are kept (default one day)")
     p.add_argument("--job-store", default=None, metavar="PATH|URI",
                    help="where durable jobs live: a SQLite file, or postgresql://… shared by several servers "
@@ -107,6 +108,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics on this port (on --host, path /metrics; 0 picks a free one; default off; 9464 is customary)")
     p.add_argument("--otlp-endpoint", default=None,
                    help="send metrics and traces by OTLP/gRPC to this collector, e.g. http://localhost:4317 "
+    p.add_argument("--idempotency-lease-s", type=float, default=10.0,
+                   help="with postgresql://: a keyed run of a frontend that died is run again by another this long "
+                        "after its last heartbeat (default %(default)s)")
                         "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else off)")
     p.add_argument("--web-port", type=int, default=None,
                    help="serve gRPC-Web (the same API, keys and deadlines) and the browser page on this port, on "
@@ -157,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              grace_s=args.grace_s, fault_marker=args.fault_marker,
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
-                             idempotency_ttl_s=args.idempotency_ttl_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
+                             idempotency_ttl_s=args.idempotency_ttl_s, idempotency_lease_s=args.idempotency_lease_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
                              step_log=args.step_log, web=_web_config(args), jobs=jobs, ray_address=args.ray_address,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))

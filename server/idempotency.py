@@ -1,17 +1,21 @@
-"""Idempotency keys: a request's fingerprint and final result, kept in SQLite across restarts,
-and `Idempotency`, which decides what a keyed call does (attach, replay, or run).
+"""Idempotency keys: a request's fingerprint and final result, kept in SQLite (one server) or
+PostgreSQL (several frontends) across restarts, and `Idempotency`, which decides what a keyed
+call does (attach, replay, wait, or run).
 
-A row is written when a keyed request starts ("running") and completed with
-the serialized result when it finishes normally. A failed or cancelled run
-deletes its row so that a retry generates again. A "running" row found with
-no live run behind it (the server restarted mid-run) is stale and replaced.
+A row is written when a keyed request starts ("running", owned by this frontend) and completed
+with the serialized result when it finishes normally. A failed or cancelled run deletes its
+row so that a retry generates again. On SQLite (the store of one server) a "running" row found
+with no live run behind it is stale at once (the server restarted mid-run) and replaced. On
+PostgreSQL the owner renews a lease on its running rows (a heartbeat); another frontend that
+finds a row whose lease holds waits for its result and replays it, and one whose lease lapsed
+(its frontend died) is taken over: the key runs again there. Only the row's owner can complete
+or delete it, so a result is stored once per run.
 
-SQLite blocks (disk, locks held by other processes), so every call runs on the
-store's own thread, in the order the calls were made; the event loop only waits
-on a future. A store that cannot be used answers `Unavailable`, never an
-internal error, and expired rows are purged while the server runs. A result
-that could not be written is kept in memory (bounded) and written by the next
-call that can, so a retry of its key replays it instead of generating again.
+Every call runs on the store's own thread (server/sqlstore.py), in order; the event loop only
+waits on a future. A store that cannot be used answers `Unavailable`, never an internal error,
+and expired rows are purged while the server runs. A result that could not be written is kept
+in memory (bounded) and written by the next call that can, so a retry of its key replays it
+instead of generating again.
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ import asyncio
 import contextlib
 import json
 import logging
-import pathlib
-import sqlite3
+import os
+import socket
+import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenline.engine.types import FinishReason
 from tokenline.server import convert
-from tokenline.server.errors import IdempotencyMismatch, RunLost, ServingError, Unavailable
+from tokenline.server.errors import IdempotencyMismatch, RunLost, ServingError
 from tokenline.server.runtime import RequestState
+from tokenline.server.sqlstore import SqlStore
 from tokenline.v1 import tokenline_pb2 as pb
 
 log = logging.getLogger("tokenline.idempotency")
@@ -41,18 +47,20 @@ CREATE TABLE IF NOT EXISTS idempotency (
     key TEXT NOT NULL,
     fingerprint TEXT NOT NULL,
     status TEXT NOT NULL,          -- 'running' | 'done'
-    result BLOB,                   -- tokenline.v1.CompleteResponse, serialized
-    expires REAL NOT NULL,         -- Unix time
+    result {blob},                 -- tokenline.v1.CompleteResponse, serialized
+    expires {real} NOT NULL,       -- Unix time
+    token_text TEXT,               -- each token's text (JSON list), so a stream resumed at token i gets the text from i on
+    owner TEXT,                    -- the frontend running it (while 'running')
+    lease_expires {real},          -- Unix time: until then the owner is alive; renewed by its heartbeat
     PRIMARY KEY (tenant, key)
 )
 """
-# Added later: each token's text (JSON list), so a stream resumed at token i gets the text from token i on.
-_TOKEN_TEXT = "ALTER TABLE idempotency ADD COLUMN token_text TEXT"
+_ADDED_LATER = (("token_text", "TEXT"), ("owner", "TEXT"), ("lease_expires", "REAL"))  # SQLite files from before
 
-BUSY_TIMEOUT_S = 2.0  # how long one call waits for a lock another process holds
 PURGE_EVERY_S = 60.0
-MAX_UNSAVED = 10_000  # results kept in memory while the file cannot be written
+MAX_UNSAVED = 10_000  # results kept in memory while the store cannot be written
 RETRY_FLUSH_S = 5.0
+WAIT_POLL_S = 0.25  # how often a call waiting on another frontend's run looks at its row
 
 
 @dataclass(frozen=True)
@@ -61,125 +69,157 @@ class StoredRun:
     status: str
     result: bytes | None
     token_text: tuple[str, ...] | None = None  # per token; None for rows written before it was kept
+    elsewhere: bool = False  # running on another frontend whose lease holds
 
 
-class IdempotencyStore:
-    def __init__(self, path: pathlib.Path | str, ttl_s: float = 86_400.0):
+class IdempotencyStore(SqlStore):
+    what = "idempotency store"
+    unavailable = ("the idempotency store is unavailable right now; retry shortly, "
+                   "or send the request without an idempotency key")
+
+    def __init__(self, target, ttl_s: float = 86_400.0, lease_s: float = 10.0):
         if ttl_s <= 0:
             raise ValueError(f"idempotency retention must be > 0 seconds, got {ttl_s}")
-        self.path = pathlib.Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if lease_s <= 0:
+            raise ValueError(f"the idempotency lease must be > 0 seconds, got {lease_s}")
         self.ttl_s = ttl_s
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenline-idempotency")
-        self._db: sqlite3.Connection | None = None
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._next_purge = 0.0
         # (tenant, key) -> (fingerprint, result, token_text JSON): finished, not yet written.
         self._unsaved: dict[tuple[str, str], tuple[str, bytes, str]] = {}
         self._next_flush = 0.0
-        self._thread.submit(self._open).result()  # at start-up: a store that cannot open stops the server
+        self._held: set[tuple[str, str]] = set()  # keys this frontend began and has not finished writing
+        self._stop = threading.Event()
+        super().__init__(target)
+        # One server per SQLite file: a run not live in this process is dead. Shared PostgreSQL: leases.
+        self.lease_s = lease_s if self.postgres else 0.0
+        if self.lease_s:
+            threading.Thread(target=self._heartbeat, name="tokenline-idempotency-lease", daemon=True).start()
 
     # ------------------------------------------------ called on the event loop
 
     async def lookup(self, tenant: str, key: str) -> StoredRun | None:
         return await self._call(self._lookup, tenant, key)
 
-    async def begin(self, tenant: str, key: str, fingerprint: str) -> None:
-        await self._call(self._begin, tenant, key, fingerprint)
+    async def begin(self, tenant: str, key: str, fingerprint: str) -> bool:
+        """Own the key's run; False when another frontend began it first (look again)."""
+        return await self._call(self._begin, tenant, key, fingerprint)
 
     def complete(self, tenant: str, key: str, fingerprint: str, result: bytes, token_text: list[str]) -> asyncio.Future:
-        """Queued at once (so a later lookup sees it); the future says whether it reached the file."""
+        """Queued at once (so a later lookup sees it); the future says whether it reached the store."""
         return self._call(self._complete, tenant, key, fingerprint, result, json.dumps(token_text))
 
     def abandon(self, tenant: str, key: str) -> asyncio.Future:
         return self._call(self._abandon, tenant, key)
 
     def close(self) -> None:
-        self._thread.submit(self._close).result()
-        self._thread.shutdown()
+        self._stop.set()
+        super().close()
 
-    def _call(self, fn, *args) -> asyncio.Future:
-        return asyncio.wrap_future(self._thread.submit(self._guarded, fn, *args))
-
-    def _guarded(self, fn, *args):
-        try:
-            if self._unsaved and fn != self._complete and time.monotonic() >= self._next_flush:
-                try:
-                    self._flush()
-                except sqlite3.Error:  # still not writable: go on with this call, try again a little later
-                    self._next_flush = time.monotonic() + RETRY_FLUSH_S
-            if time.monotonic() >= self._next_purge:
-                self._next_purge = time.monotonic() + PURGE_EVERY_S
-                try:
-                    self.purge_expired()
-                except sqlite3.Error as err:  # expired rows are never served; the next purge gets them
-                    log.warning("idempotency store %s: purge failed: %s", self.path, err)
-            return fn(*args)
-        except sqlite3.Error as err:
-            log.error("idempotency store %s: %s failed: %s", self.path, fn.__name__.lstrip("_"), err)
-            raise Unavailable("the idempotency store is unavailable right now; retry shortly, "
-                              "or send the request without an idempotency key") from None
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self._thread.submit(self._guarded, self._renew)
+            except RuntimeError:  # closed
+                return
 
     # ------------------------------------------------ on the store's thread
 
     def _open(self) -> None:
-        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(_SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(idempotency)")}
-        if "token_text" not in columns:
-            self._db.execute(_TOKEN_TEXT)
+        self._connect()
+        real, blob = ("DOUBLE PRECISION", "BYTEA") if self.postgres else ("REAL", "BLOB")
+        self._x(_SCHEMA.format(blob=blob, real=real))
+        if not self.postgres:
+            columns = {row[1] for row in self._x("PRAGMA table_info(idempotency)")}
+            for column, kind in _ADDED_LATER:
+                if column not in columns:
+                    self._x(f"ALTER TABLE idempotency ADD COLUMN {column} {kind}")
         self.purge_expired()
+
+    def _before_call(self, fn) -> None:
+        if self._unsaved and fn != self._complete and time.monotonic() >= self._next_flush:
+            try:
+                self._flush()
+            except Exception as err:  # still not writable: go on with this call, try again a little later
+                if not self._is_db_error(err):
+                    raise
+                self._next_flush = time.monotonic() + RETRY_FLUSH_S
+        if time.monotonic() >= self._next_purge:
+            self._next_purge = time.monotonic() + PURGE_EVERY_S
+            try:
+                self.purge_expired()
+            except Exception as err:  # expired rows are never served; the next purge gets them
+                if not self._is_db_error(err):
+                    raise
+                log.warning("idempotency store (%s): purge failed: %s", self.description, err)
 
     def _lookup(self, tenant: str, key: str) -> StoredRun | None:
         unsaved = self._unsaved.get((tenant, key))
         if unsaved is not None:
             return StoredRun(unsaved[0], "done", unsaved[1], tuple(json.loads(unsaved[2])))
-        row = self._db.execute(
-            "SELECT fingerprint, status, result, token_text FROM idempotency WHERE tenant=? AND key=? AND expires>?",
-            (tenant, key, time.time()),
-        ).fetchone()
+        now = time.time()
+        row = self._x("SELECT fingerprint, status, result, token_text, owner, lease_expires FROM idempotency "
+                      "WHERE tenant=? AND key=? AND expires>?", (tenant, key, now)).fetchone()
         if not row:
             return None
         token_text = tuple(json.loads(row[3])) if row[3] else None
-        return StoredRun(row[0], row[1], row[2], token_text)
+        elsewhere = row[1] == "running" and row[4] not in (None, self.owner) and (row[5] or 0.0) > now
+        return StoredRun(row[0], row[1], bytes(row[2]) if row[2] is not None else None, token_text, elsewhere)
 
-    def _begin(self, tenant: str, key: str, fingerprint: str) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO idempotency (tenant, key, fingerprint, status, result, token_text, expires) "
-            "VALUES (?,?,?,?,NULL,NULL,?)",
-            (tenant, key, fingerprint, "running", time.time() + self.ttl_s),
-        )
+    def _begin(self, tenant: str, key: str, fingerprint: str) -> bool:
+        # A new row, or one that is free: expired, or running with no live owner (lease lapsed) or owned here.
+        now = time.time()
+        taken = self._x(
+            "INSERT INTO idempotency (tenant, key, fingerprint, status, result, token_text, expires, owner, lease_expires) "
+            "VALUES (?,?,?,'running',NULL,NULL,?,?,?) ON CONFLICT (tenant, key) DO UPDATE SET "
+            "fingerprint=excluded.fingerprint, status='running', result=NULL, token_text=NULL, expires=excluded.expires, "
+            "owner=excluded.owner, lease_expires=excluded.lease_expires "
+            "WHERE idempotency.expires<=? OR (idempotency.status='running' AND (idempotency.owner IS NULL "
+            "OR idempotency.owner=? OR idempotency.lease_expires IS NULL OR idempotency.lease_expires<=?))",
+            (tenant, key, fingerprint, now + self.ttl_s, self.owner, now + self.lease_s, now, self.owner, now),
+        ).rowcount == 1
+        if taken:
+            self._held.add((tenant, key))
+        return taken
+
+    def _renew(self) -> None:
+        now = time.time()
+        for tenant, key in list(self._held):
+            self._x("UPDATE idempotency SET lease_expires=? WHERE tenant=? AND key=? AND owner=? AND status='running'",
+                    (now + self.lease_s, tenant, key, self.owner))
 
     def _complete(self, tenant: str, key: str, fingerprint: str, result: bytes, token_text: str) -> None:
         self._unsaved[(tenant, key)] = (fingerprint, result, token_text)
         while len(self._unsaved) > MAX_UNSAVED:
             dropped = next(iter(self._unsaved))
             del self._unsaved[dropped]
-            log.error("idempotency store %s: more than %d results could not be written; the oldest is dropped "
-                      "(a retry of its key will generate again)", self.path, MAX_UNSAVED)
+            self._held.discard(dropped)
+            log.error("idempotency store (%s): more than %d results could not be written; the oldest is dropped "
+                      "(a retry of its key will generate again)", self.description, MAX_UNSAVED)
         self._flush()
 
     def _flush(self) -> None:
         """Write the results kept in memory, oldest first; stops at the first failure."""
         while self._unsaved:
             (tenant, key), (fingerprint, result, token_text) = next(iter(self._unsaved.items()))
-            self._db.execute(
-                "INSERT OR REPLACE INTO idempotency (tenant, key, fingerprint, status, result, token_text, expires) "
-                "VALUES (?,?,?,'done',?,?,?)",
-                (tenant, key, fingerprint, result, token_text, time.time() + self.ttl_s),
-            )
+            written = self._x(
+                "UPDATE idempotency SET status='done', result=?, token_text=?, expires=?, lease_expires=NULL "
+                "WHERE tenant=? AND key=? AND owner=? AND status='running'",
+                (result, token_text, time.time() + self.ttl_s, tenant, key, self.owner),
+            ).rowcount
+            if not written:  # our lease lapsed and another frontend took the key over: its run stands
+                log.warning("idempotency store (%s): key %r was taken over by another frontend; this run's result "
+                            "is not stored", self.description, key)
             del self._unsaved[(tenant, key)]
+            self._held.discard((tenant, key))
 
     def _abandon(self, tenant: str, key: str) -> None:
-        self._db.execute("DELETE FROM idempotency WHERE tenant=? AND key=? AND status='running'", (tenant, key))
+        self._held.discard((tenant, key))
+        self._x("DELETE FROM idempotency WHERE tenant=? AND key=? AND status='running' AND owner=?",
+                (tenant, key, self.owner))
 
     def purge_expired(self) -> int:
-        return self._db.execute("DELETE FROM idempotency WHERE expires<=?", (time.time(),)).rowcount
-
-    def _close(self) -> None:
-        if self._db is not None:
-            self._db.close()
+        return self._x("DELETE FROM idempotency WHERE expires<=?", (time.time(),)).rowcount
 
 
 # ------------------------------------------------------------ joining calls
@@ -210,9 +250,10 @@ class NewRun:
 
 
 class Idempotency:
-    """What a keyed call does: attach to the key's live run, replay its stored result, or start
-    a new run. One call at a time per key decides; results are stored as runs end (`finished`,
-    a runtime hook). Without a store, only live runs are joined."""
+    """What a keyed call does: attach to the key's live run, replay its stored result (waiting for
+    it while another live frontend runs the key), or start a new run. One call at a time per key
+    decides; results are stored as runs end (`finished`, a runtime hook). Without a store, only
+    live runs are joined."""
 
     def __init__(self, store: IdempotencyStore | None):
         self.store = store
@@ -224,12 +265,14 @@ class Idempotency:
                      request: pb.GenerateRequest) -> AsyncIterator[Attach | Replay | NewRun]:
         """Held while the caller acts on the answer; a NewRun refused at once (ServingError) frees the key."""
         async with self._lock(tenant, key):
-            found = await self._find(tenant, key, fingerprint, request)
-            if found is not None:
-                yield found
-                return
-            if self.store is not None:
-                await self.store.begin(tenant, key, fingerprint)
+            while True:
+                found = await self._find(tenant, key, fingerprint, request)
+                if found is not None:
+                    yield found
+                    return
+                if self.store is None or await self.store.begin(tenant, key, fingerprint):
+                    break
+                # Another frontend began this key between our look and our write: look again.
             try:
                 yield NewRun(self._live, (tenant, key))
             except ServingError:
@@ -268,6 +311,13 @@ class Idempotency:
         stored = await self.store.lookup(tenant, key) if self.store is not None else None
         if stored is not None and stored.fingerprint != fingerprint:
             raise IdempotencyMismatch(_mismatch(key))
+        while stored is not None and stored.elsewhere:
+            # Another frontend runs this key and is alive: wait for its result (bounded by this call's
+            # deadline), or for its lease to lapse (it died), and then run here.
+            await asyncio.sleep(WAIT_POLL_S)
+            stored = await self.store.lookup(tenant, key)
+            if stored is not None and stored.fingerprint != fingerprint:
+                raise IdempotencyMismatch(_mismatch(key))
         if stored is not None and stored.status == "done" and stored.result is not None:
             result = pb.CompleteResponse.FromString(stored.result)
             if resume_from:

@@ -130,9 +130,20 @@ class JobRunner:
                     claimed = await self.store.call("claim", self.owner, self.config.lease_s, free, self.config.max_attempts)
                 except Unavailable:
                     claimed = []
+                except Exception:
+                    log.exception("claiming jobs failed; trying again at the next poll")
+                    claimed = []
                 for job in claimed:
                     log.info("job %s claimed (attempt %d, %d tokens stored)", job.job_id, job.attempts, job.tokens)
-                    self._running[job.job_id] = _Running(job, asyncio.ensure_future(self._run(job)))
+                    # Our own lease may have expired while the store was away: that run is fenced now;
+                    # it stops before this one starts (one run per job in this runtime).
+                    previous = self._running.get(job.job_id)
+                    if previous is not None:
+                        previous.fenced = True
+                        if previous.state is not None:
+                            self.runtime.cancel(previous.state.key)
+                    entry = self._running[job.job_id] = _Running(job)
+                    entry.task = asyncio.ensure_future(self._run(entry, previous.task if previous else None))
                 if len(claimed) == free:
                     continue  # there may be more waiting
             self._wake.clear()
@@ -151,6 +162,9 @@ class JobRunner:
                 lost = await self.store.call("renew", leases, self.config.lease_s)
             except Unavailable:
                 continue  # the fence still guards every write; renew when the store is back
+            except Exception:
+                log.exception("renewing job leases failed; the fence still guards every write")
+                continue
             for job_id in lost:
                 r = self._running.get(job_id)
                 if r is not None:
@@ -167,19 +181,25 @@ class JobRunner:
                     log.info("purged %d finished jobs older than %.0f s", purged, self.config.retention_s)
             except Unavailable:
                 pass
+            except Exception:
+                log.exception("purging finished jobs failed; trying again later")
             await asyncio.sleep(min(PURGE_EVERY_S, self.config.retention_s))
 
     # ---------------------------------------------------------------- one job
 
-    async def _run(self, job: JobRecord) -> None:
+    async def _run(self, entry: _Running, previous: asyncio.Task | None) -> None:
+        job = entry.job
         try:
-            await self._drive(job)
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            await self._drive(job, entry)
         except Exception:
             log.exception("job %s: runner failed; its lease will expire and it will be taken over", job.job_id)
         finally:
-            self._running.pop(job.job_id, None)
+            if self._running.get(job.job_id) is entry:
+                del self._running[job.job_id]
 
-    async def _drive(self, job: JobRecord) -> None:
+    async def _drive(self, job: JobRecord, running: _Running) -> None:
         sampling = sampling_from_json(job.sampling)
         stored = await self._stored_tokens(job.job_id, job.tokens)
         if stored is None:
@@ -200,7 +220,6 @@ class JobRunner:
             return
         checkpoint = _Checkpoint(len(stored))
         reader = asyncio.ensure_future(self._read(state, mailbox, checkpoint))
-        running = self._running[job.job_id]
         running.state = state
         while not reader.done():
             changed = asyncio.ensure_future(checkpoint.changed.wait())
@@ -316,7 +335,7 @@ class JobRunner:
 @dataclass
 class _Running:
     job: JobRecord
-    task: asyncio.Task
+    task: asyncio.Task | None = None
     state: RequestState | None = None
     fenced: bool = False
 
