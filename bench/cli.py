@@ -210,6 +210,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     wb = sub.add_parser("web", help="what the gRPC-Web port adds to TTFT and ITL: the same requests over gRPC and gRPC-Web",
                         epilog=web.EXAMPLES, formatter_class=_formatter)
     web.add_arguments(wb)
+    from tokenline.bench import jobs
+
+    jb = sub.add_parser("jobs", help="durable jobs through a frontend SIGKILL: jobs lost, completed twice, takeover time",
+                        epilog=jobs.EXAMPLES, formatter_class=_formatter)
+    jobs.add_arguments(jb)
     return bench
 
 

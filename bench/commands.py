@@ -45,13 +45,19 @@ def cmd_ray_capacity(args: argparse.Namespace) -> int:
     return run_it(args)
 
 
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from tokenline.bench import jobs
+
+    return jobs.run_command(args)
+
+
 def dispatch(args: argparse.Namespace) -> int:
     from tokenline.bench.runner import LoadGeneratorBehind
     from tokenline.bench.servers import ServerStartError
 
     command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "mixed": cmd_mixed, "simulate": cmd_simulate,
                "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz, "web": cmd_web,
-               "ray-capacity": cmd_ray_capacity}[args.bench_command]
+               "ray-capacity": cmd_ray_capacity, "jobs": cmd_jobs}[args.bench_command]
     try:
         return command(args)
     except (UsageError, PromptError, ValueError) as e:
