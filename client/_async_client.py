@@ -103,16 +103,17 @@ class AsyncClient:
         certificate_chain: bytes | None = None,
         options: Sequence[tuple[str, Any]] = (),
         channel: grpc.aio.Channel | None = None,
+        load_balancing: str | None = None,
     ) -> None:
         if channel is None:
             credentials = channel_credentials(
                 tls, root_certificates, private_key, certificate_chain
             )
             if credentials is None:
-                channel = grpc.aio.insecure_channel(target, options=channel_options(options))
+                channel = grpc.aio.insecure_channel(target, options=channel_options(options, load_balancing))
             else:
                 channel = grpc.aio.secure_channel(
-                    target, credentials, options=channel_options(options)
+                    target, credentials, options=channel_options(options, load_balancing)
                 )
         self.target = target
         self._channel = channel

@@ -12,7 +12,8 @@ fail, so a struggling server is not hit harder. Two limits of gRPC retries:
   to come back (`Overloaded.retry_after_s`).
 
 Generate, Complete and Cancel fail fast when the server is unreachable, so a
-caller learns at once that it is down; ListModels waits for the channel to
+caller learns at once that it is down (with several frontends behind one target and
+`round_robin`, a retry goes to the next one); ListModels waits for the channel to
 become ready (bounded by its timeout), which suits start-up probes.
 """
 
@@ -53,14 +54,23 @@ SERVICE_CONFIG: dict[str, Any] = {
 }
 
 
-def service_config_json() -> str:
-    """The service config as the JSON the `grpc.service_config` channel option takes."""
-    return json.dumps(SERVICE_CONFIG)
+def service_config_json(load_balancing: str | None = None) -> str:
+    """The service config as the JSON the `grpc.service_config` channel option takes.
+
+    `load_balancing` names a gRPC load-balancing policy ("round_robin": every address the
+    target resolves to, e.g. several frontends behind one DNS name, gets calls in turn;
+    default "pick_first": one address until it fails).
+    """
+    config = dict(SERVICE_CONFIG)
+    if load_balancing:
+        config["loadBalancingConfig"] = [{load_balancing: {}}]
+    return json.dumps(config)
 
 
-def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
-    """Channel options with retries enabled; an option in `extra` replaces ours of the same name."""
-    options = {"grpc.enable_retries": 1, "grpc.service_config": service_config_json()}
+def channel_options(extra: Sequence[tuple[str, Any]] = (), load_balancing: str | None = None) -> list[tuple[str, Any]]:
+    """Channel options with retries enabled (and the load-balancing policy, if named); an option
+    in `extra` replaces ours of the same name."""
+    options = {"grpc.enable_retries": 1, "grpc.service_config": service_config_json(load_balancing)}
     options.update(dict(extra))
     return list(options.items())
 

@@ -125,7 +125,9 @@ class DeltaStream(Iterator[Delta]):
 class Client:
     """A blocking client for one tokenline server.
 
-    `target` is "host:port". `api_key` is sent as `authorization: Bearer <key>`.
+    `target` is "host:port", or any gRPC target: "dns:///tokenline.example:50051" with
+    `load_balancing="round_robin"` spreads calls over every frontend the name resolves to
+    ("ipv4:10.0.0.1:50051,10.0.0.2:50051" lists them). `api_key` is sent as `authorization: Bearer <key>`.
     TLS is on when `tls` is true or any certificate is given (PEM bytes);
     `private_key` with `certificate_chain` is a client certificate for mutual TLS.
     `options` are extra gRPC channel options (they override ours by name).
@@ -144,15 +146,16 @@ class Client:
         certificate_chain: bytes | None = None,
         options: Sequence[tuple[str, Any]] = (),
         channel: grpc.Channel | None = None,
+        load_balancing: str | None = None,
     ) -> None:
         if channel is None:
             credentials = channel_credentials(
                 tls, root_certificates, private_key, certificate_chain
             )
             if credentials is None:
-                channel = grpc.insecure_channel(target, options=channel_options(options))
+                channel = grpc.insecure_channel(target, options=channel_options(options, load_balancing))
             else:
-                channel = grpc.secure_channel(target, credentials, options=channel_options(options))
+                channel = grpc.secure_channel(target, credentials, options=channel_options(options, load_balancing))
         self.target = target
         self._channel = channel
         self._stub = pb_grpc.TokenlineStub(channel)
