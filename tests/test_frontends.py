@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tokenline.client import SERVICE_CONFIG, Client, service_config_json
-from tokenline.client.errors import TokenlineError
+from tokenline.client.errors import TokenlineError, Unavailable
 from tokenline.server.idempotency import IdempotencyStore
 from tests.postgres import postgres  # noqa: F401 - the fixture
 from tests.support import ServerProcess, wait_until
@@ -173,3 +173,20 @@ def test_keyed_retries_and_job_watches_complete_on_the_other_frontend_after_a_si
 def cb_attempts(server, job_id):
     with Client(server.address) as client:
         return client.get_job(job_id).attempts
+
+
+def test_a_stopped_postgresql_refuses_keyed_requests_unavailable_and_serves_them_again_when_back(frontends, postgres):  # noqa: F811
+    _, b = frontends  # A was killed above; B is the surviving frontend
+    with Client(b.address) as client:
+        postgres.stop()
+        try:
+            with pytest.raises(Unavailable) as info:
+                client.complete("keyed while the store is down", max_tokens=4, idempotency_key="down", timeout=60)
+            unkeyed = client.complete("unkeyed while the store is down", max_tokens=4, timeout=60)
+        finally:
+            postgres.start()
+        first = client.complete("keyed while the store is down", max_tokens=4, idempotency_key="down", timeout=60)
+        again = client.complete("keyed while the store is down", max_tokens=4, idempotency_key="down", timeout=60)
+    assert "idempotency store is unavailable" in info.value.details and "postgresql" not in info.value.details
+    assert len(unkeyed.token_ids) == 4
+    assert again.request_id == first.request_id  # back: stored once, replayed
