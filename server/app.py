@@ -58,8 +58,8 @@ class ServeConfig:
     tls_client_ca: str | None = None  # PEM CA: require client certificates (mutual TLS); tenant = CN
     idempotency_db: str | None = None  # SQLite file or postgresql://…; None: idempotency keys are refused
     idempotency_ttl_s: float = 86_400.0
-    standby_workers: int = 0  # per model: loaded, idle, promoted when a worker dies
     idempotency_lease_s: float = 10.0  # PostgreSQL: a dead frontend's keyed runs are run again this long after it stopped renewing
+    standby_workers: int = 0  # per model: loaded, idle, promoted when a worker dies
     # A worker with work in flight that reports no step for this long (or 10x its longest recent
     # step, if more) is declared lost and killed; 0 turns the watchdog off.
     step_watchdog_s: float = 5.0

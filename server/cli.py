@@ -92,6 +92,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "frontends (default: <cache>/idempotency-<port>.sqlite3, one per server; with --port 0, "
                         "in memory; 'off' disables)")
     p.add_argument("--idempotency-ttl-s", type=float, default=86_400.0, help="how long results are kept (default one day)")
+    p.add_argument("--idempotency-lease-s", type=float, default=10.0,
+                   help="with postgresql://: a keyed run of a frontend that died is run again by another this long "
+                        "after its last heartbeat (default %(default)s)")
     p.add_argument("--job-store", default=None, metavar="PATH|URI",
                    help="where durable jobs live: a SQLite file, or postgresql://… shared by several servers "
                         "(default: <cache>/jobs-<port>.sqlite3, one per server; with --port 0, in memory; 'off' disables)")
@@ -108,9 +111,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics on this port (on --host, path /metrics; 0 picks a free one; default off; 9464 is customary)")
     p.add_argument("--otlp-endpoint", default=None,
                    help="send metrics and traces by OTLP/gRPC to this collector, e.g. http://localhost:4317 "
-    p.add_argument("--idempotency-lease-s", type=float, default=10.0,
-                   help="with postgresql://: a keyed run of a frontend that died is run again by another this long "
-                        "after its last heartbeat (default %(default)s)")
                         "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else off)")
     p.add_argument("--web-port", type=int, default=None,
                    help="serve gRPC-Web (the same API, keys and deadlines) and the browser page on this port, on "
