@@ -147,3 +147,31 @@ class Autoscaler:
             if idle_s >= cfg.cooldown_s:
                 return [RemoveWorker(w.worker_id, f"idle {idle_s:.0f} s (cool-down {cfg.cooldown_s:.0f} s)")]
         return []
+
+
+def read_pressure(scheduler, model_name: str, now: float, *, starting: int,
+                  idle_since: dict[int, float]) -> Pressure:
+    """The queue of one model as the autoscaler sees it, read off the scheduler.
+
+    A queued request with a deadline counts as a predicted miss when the admission estimate
+    (when a slot frees up, given what runs and what queues, plus its time to first token) is
+    past its deadline. The estimate counts the whole queue as ahead of it, so it errs early:
+    for an autoscaler, adding a worker a little soon is the cheaper mistake.
+    """
+    model = scheduler.models.get(model_name)
+    if model is None:
+        return Pressure(0, 0.0, 0, (), starting)
+    queued, oldest_age, misses = 0, 0.0, 0
+    for queue in model.queues.values():
+        queued += queue.requests
+        head = queue.oldest()
+        if head is not None:
+            oldest_age = max(oldest_age, now - head.arrival)
+        if queue.with_deadline and model.workers:
+            for e in queue:
+                if e.deadline is not None:
+                    done = scheduler._estimate_start(e, model, now) + scheduler._service_estimate(model_name, e)
+                    misses += done > e.deadline
+    workers = tuple(WorkerLoad(wid, scheduler.running(wid), None if scheduler.running(wid) else idle_since.get(wid, now))
+                    for wid in model.workers)
+    return Pressure(queued, oldest_age, misses, workers, starting)

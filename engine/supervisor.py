@@ -10,6 +10,12 @@ all called on the event loop it is given:
 - `on_step(report)`: an active worker finished a step;
 - `on_capacity()`: the set of ready workers changed (after `on_ready`/`on_lost`).
 
+With an `autoscale` config, it also adds and removes workers on the autoscaler's decisions
+(engine/autoscale.py), checked every AUTOSCALE_CHECK_S from `pressure(model, now, starting,
+idle_since)`: a worker added is one more active worker; a worker removed is an idle one, told
+to the caller as lost first (it holds no runs) so nothing is sent to it, then stopped and not
+restarted.
+
 A handle is anything with the `WorkerHandle` contract (engine/worker.py): built as
 `factory(worker_id, config, on_message=..., on_exit=...)`, with `start()`, `send(msg)`,
 `kill()` and `terminate(timeout)`; its callbacks may come from any thread. A local process
@@ -24,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tokenline.engine.autoscale import AddWorker, AutoscaleConfig, Autoscaler, Pressure
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.types import Shutdown, StepReport, WorkerFailed, WorkerSpec
 from tokenline.engine.watchdog import StepWatchdog
@@ -32,6 +39,7 @@ from tokenline.engine.worker import WorkerHandle
 log = logging.getLogger("tokenline.runtime")
 
 WATCHDOG_CHECK_S = 0.5  # how often silent workers are looked for
+AUTOSCALE_CHECK_S = 0.5  # how often the autoscaler reads the queues
 
 
 class Supervisor:
@@ -40,7 +48,8 @@ class Supervisor:
                  on_step: Callable[[StepReport], None], on_capacity: Callable[[], None],
                  restart: bool = True, standby: int = 0, watchdog: StepWatchdog | None = None,
                  busy: Callable[[], set[int]] = set, heaviest_step_s: Callable[[int], float] = lambda wid: 0.0,
-                 factory: Callable[..., Any] = WorkerHandle):
+                 factory: Callable[..., Any] = WorkerHandle, autoscale: AutoscaleConfig | None = None,
+                 pressure: Callable[[str, float, int, dict[int, float]], Pressure] | None = None):
         self.loop = asyncio.get_running_loop()
         self.worker_configs = workers
         self.on_ready, self.on_lost, self.on_step, self.on_capacity = on_ready, on_lost, on_step, on_capacity
@@ -60,10 +69,18 @@ class Supervisor:
         self._standby_ready: dict[str, dict[int, WorkerSpec]] = {name: {} for name in workers}
         self._closing = False
         self._watch_timer: asyncio.TimerHandle | None = None
+        self.target = {name: count for name, (_, count) in workers.items()}  # active workers wanted per model
+        self.autoscalers = {name: Autoscaler(autoscale) for name in workers} if autoscale and pressure else {}
+        self.pressure = pressure
+        self._retiring: set[int] = set()  # removed by the autoscaler: their exit is no crash
+        self._idle_since: dict[int, float] = {}
+        self._scale_timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         if self.watchdog is not None:
             self._watch_timer = self.loop.call_later(WATCHDOG_CHECK_S, self._check_silence)
+        if self.autoscalers:
+            self._scale_timer = self.loop.call_later(AUTOSCALE_CHECK_S, self._autoscale)
         for model, (cfg, count) in self.worker_configs.items():
             for _ in range(count):
                 self._spawn(model, cfg)
@@ -87,8 +104,9 @@ class Supervisor:
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closing = True
-        if self._watch_timer is not None:
-            self._watch_timer.cancel()
+        for timer in (self._watch_timer, self._scale_timer):
+            if timer is not None:
+                timer.cancel()
         for h in list(self.handles.values()):
             try:
                 h.send(Shutdown())
@@ -99,7 +117,58 @@ class Supervisor:
 
     # ------------------------------------------------------------ internals
 
-    def _spawn(self, model: str, cfg: WorkerConfig, *, standby: bool = False) -> None:
+    # ------------------------------------------------------------ scaling
+
+    def add_worker(self, model: str) -> int:
+        """One more active worker for `model`; returns its id (it is ready when `on_ready` says so)."""
+        self.target[model] += 1
+        return self._spawn(model, self.worker_configs[model][0])
+
+    def remove_worker(self, worker_id: int) -> bool:
+        """Stop an active worker for good: reported lost now (so nothing more is sent to it), then
+        stopped, and not restarted. Meant for an idle worker: runs it holds would start over elsewhere."""
+        model = self._model_of.get(worker_id)
+        handle = self.handles.get(worker_id)
+        if model is None or handle is None or worker_id not in self.specs:
+            return False
+        self.target[model] -= 1
+        self._retiring.add(worker_id)
+        self.specs.pop(worker_id)
+        self.on_lost(worker_id)
+        self.on_capacity()
+        self.loop.run_in_executor(None, handle.terminate, 10.0)
+        return True
+
+    def starting(self, model: str) -> int:
+        """Active workers of `model` asked for and not ready yet."""
+        return sum(1 for w, m in self._model_of.items()
+                   if m == model and w not in self.specs and w not in self._standby_ids and w not in self._retiring)
+
+    def _autoscale(self) -> None:
+        if self._closing:
+            return
+        now = time.monotonic()
+        busy = self.busy()
+        for wid in self.specs:
+            if wid in busy:
+                self._idle_since.pop(wid, None)
+            else:
+                self._idle_since.setdefault(wid, now)
+        for model, scaler in self.autoscalers.items():
+            if model in self.start_errors:
+                continue
+            pressure = self.pressure(model, now, self.starting(model), self._idle_since)
+            for decision in scaler.decide(now, pressure):
+                if isinstance(decision, AddWorker):
+                    wid = self.add_worker(model)
+                    log.warning("autoscale: adding worker %d for model %s (%d → %d workers): %s", wid, model,
+                                self.target[model] - 1, self.target[model], decision.reason)
+                elif decision.worker_id not in busy and self.remove_worker(decision.worker_id):
+                    log.warning("autoscale: removing worker %d of model %s (%d → %d workers): %s", decision.worker_id,
+                                model, self.target[model] + 1, self.target[model], decision.reason)
+        self._scale_timer = self.loop.call_later(AUTOSCALE_CHECK_S, self._autoscale)
+
+    def _spawn(self, model: str, cfg: WorkerConfig, *, standby: bool = False) -> int:
         wid = self._next_id
         self._next_id += 1
         self._model_of[wid] = model
@@ -112,6 +181,7 @@ class Supervisor:
         )
         self.handles[wid] = handle
         handle.start()
+        return wid
 
     def _on_message(self, wid: int, msg: object) -> None:
         if isinstance(msg, StepReport):
@@ -149,6 +219,11 @@ class Supervisor:
         self._standby_ids.discard(wid)
         if model is not None:
             self._standby_ready[model].pop(wid, None)
+        self._idle_since.pop(wid, None)
+        if wid in self._retiring:  # the autoscaler removed it: already reported lost, not restarted
+            self._retiring.discard(wid)
+            log.info("worker %d (model %s) stopped after removal, exit code %s", wid, model, exitcode)
+            return
         if handle is None or self._closing:
             return
         log.warning("%sworker %d (model %s) exited with code %s", "standby " if was_standby else "", wid, model, exitcode)
@@ -175,8 +250,9 @@ class Supervisor:
 
     def _needs_active(self, model: str) -> bool:
         """Fewer active (or loading, non-standby) workers than configured."""
-        active = sum(1 for w, m in self._model_of.items() if m == model and w not in self._standby_ids)
-        return active < self.worker_configs[model][1]
+        active = sum(1 for w, m in self._model_of.items()
+                     if m == model and w not in self._standby_ids and w not in self._retiring)
+        return active < self.target[model]
 
     def _check_silence(self) -> None:
         """Kill a worker that has work in flight but has stopped reporting steps (hung, stopped):

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokenline.engine.autoscale import AutoscaleConfig
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.watchdog import StepWatchdog
@@ -67,6 +68,7 @@ class ServeConfig:
     web: "WebConfig | None" = None  # gRPC-Web and the browser page on a second port (server/web.py); None: off
     jobs: JobConfig | None = None  # durable jobs (server/jobrunner.py); None: the job RPCs answer UNIMPLEMENTED
     ray_address: str | None = None  # workers as Ray actors on this cluster (engine/ray_workers.py); None: local processes
+    autoscale: AutoscaleConfig | None = None  # add and remove workers on queue age and deadline pressure; None: fixed
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -122,7 +124,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         print(f"tokenline: workers are Ray actors on {config.ray_address} ({cluster.resources().get('CPU', 0):g} CPUs, "
               f"{len(cluster.alive_nodes())} nodes)", flush=True)
     runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers,
-                      watchdog=watchdog, worker_factory=worker_factory)
+                      watchdog=watchdog, worker_factory=worker_factory, autoscale=config.autoscale)
     if config.step_log:
         from tokenline.server.steplog import StepLog
 

@@ -40,6 +40,22 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "sequence + 0.02 ms per prompt token)")
     p.add_argument("--sim-fixed-batch", action="store_true",
                    help="simulated engine: a batch runs to completion before the next is admitted (a fixed-batch server)")
+    p.add_argument("--autoscale-max-workers", type=int, default=0,
+                   help="let the autoscaler add workers, up to this many per model, when the queue ages or deadlines "
+                        "are predicted to be missed, and remove idle ones after --autoscale-cooldown-s; "
+                        "0: off, --workers is fixed (default %(default)s)")
+    p.add_argument("--autoscale-min-workers", type=int, default=None,
+                   help="the autoscaler never goes below this many workers (default: --workers)")
+    p.add_argument("--autoscale-queue-age-s", type=float, default=2.0,
+                   help="add a worker when the oldest queued request has waited this long and the queue is not "
+                        "shrinking (default %(default)s)")
+    p.add_argument("--autoscale-cooldown-s", type=float, default=30.0,
+                   help="remove a worker idle this long (default %(default)s)")
+    p.add_argument("--autoscale-settle-s", type=float, default=5.0,
+                   help="after adding or removing a worker, wait this long before the next change (default %(default)s)")
+    p.add_argument("--warm-workers", type=int, default=0,
+                   help="with the autoscaler: idle, loaded workers kept ahead of the load, since a worker that is "
+                        "ready after the deadline saves nothing (default %(default)s)")
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="run the workers as Ray actors on this Ray cluster ('auto', 'ray://host:10001' or 'host:6379'), "
                         "placed by Ray by CPUs (and one GPU each where the cluster has GPUs); default: local processes. "
@@ -163,6 +179,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, idempotency_lease_s=args.idempotency_lease_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
                              step_log=args.step_log, web=_web_config(args), jobs=jobs, ray_address=args.ray_address,
+                             autoscale=_autoscale_config(args, plan.workers),
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:
@@ -172,6 +189,22 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)
+
+
+def _autoscale_config(args: argparse.Namespace, workers: int):
+    if not args.autoscale_max_workers:
+        if args.warm_workers:
+            raise ValueError("--warm-workers needs the autoscaler: give --autoscale-max-workers")
+        return None
+    from tokenline.engine.autoscale import AutoscaleConfig
+
+    minimum = workers if args.autoscale_min_workers is None else args.autoscale_min_workers
+    if args.autoscale_max_workers < max(minimum, 1):
+        raise ValueError(f"--autoscale-max-workers ({args.autoscale_max_workers}) must be at least the minimum "
+                         f"({minimum}: --autoscale-min-workers, else --workers)")
+    return AutoscaleConfig(min_workers=minimum, max_workers=args.autoscale_max_workers,
+                           max_queue_age_s=args.autoscale_queue_age_s, warm_standby=args.warm_workers,
+                           cooldown_s=args.autoscale_cooldown_s, settle_s=args.autoscale_settle_s)
 
 
 def _sim_costs(args: argparse.Namespace) -> dict:

@@ -1,0 +1,68 @@
+"""The autoscaler for real: a worker added under a step of load, and removed once the load is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from tokenline.client import AsyncClient
+from tests.support import ServerProcess, wait_until
+
+pytestmark = pytest.mark.engine
+
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    steps = tmp_path_factory.mktemp("autoscale") / "steps.jsonl"
+    s = ServerProcess("--engine", "sim", "--model", "tiny", "--workers", "1", "--max-seqs", "4", "--sim-step-ms", "60",
+                      "--autoscale-max-workers", "2", "--autoscale-queue-age-s", "0.5", "--autoscale-cooldown-s", "3",
+                      "--autoscale-settle-s", "1", "--step-log", str(steps), "--log-level", "INFO").start()
+    s.step_log = steps
+    yield s
+    s.stop()
+
+
+async def burst(address: str, n: int):
+    async with AsyncClient(address) as client:
+        async def one(i: int):
+            deltas = [d async for d in client.generate(token_ids=[3 + i, 5, 7], max_tokens=TOKENS, ignore_eos=True,
+                                                       traffic_class="bulk")]
+            return deltas
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def decisions(server: ServerProcess) -> list[str]:
+    return [line for line in server.output().splitlines() if "autoscale:" in line]
+
+
+def test_a_step_of_load_adds_a_worker_that_serves_and_goes_once_idle_for_the_cool_down(server):
+    assert decisions(server) == []  # one worker is what no load needs
+
+    results = asyncio.run(burst(server.address, 48))  # 48 streams on 4 slots: a queue that ages
+
+    for deltas in results:  # nothing lost or repeated while capacity changed
+        position = 0
+        for d in deltas:
+            assert d.index == position
+            position += len(d.token_ids)
+        assert position == TOKENS
+    added = [line for line in decisions(server) if "adding worker" in line]
+    assert added and "oldest queued request waited" in added[0]
+    new_worker = int(re.search(r"adding worker (\d+)", added[0]).group(1))
+    steps = [json.loads(line) for line in server.step_log.read_text().splitlines()]
+    assert any(s["worker"] == new_worker and s["batch"] > 0 for s in steps), "the added worker took no work"
+
+    # The load is gone: after the cool-down the idle worker is removed, and no more are added.
+    assert wait_until(lambda: any("removing worker" in line for line in decisions(server)), timeout=60), decisions(server)
+    removed = [line for line in decisions(server) if "removing worker" in line]
+    assert "idle" in removed[0]
+    assert len([line for line in decisions(server) if "adding worker" in line]) == len(added)
+    # What is left serves on.
+    again = asyncio.run(burst(server.address, 2))
+    assert all(sum(len(d.token_ids) for d in deltas) == TOKENS for deltas in again)
