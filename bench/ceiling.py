@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-MiB = 1 << 20
+from tokenline.engine.config import MiB
 
 
 def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported late

@@ -12,7 +12,7 @@ there. The kernel is forced by wrapping `vllm.v1.attention.backends.cpu_attn._ge
 the function vLLM uses to choose it. Exit status: 0 when every kernel that ran agrees with the
 reference, 1 when one does not, 2 when the CPU has no AMX (nothing to reproduce here).
 
-Measured so far (shared/VLLM-CPU.md): on a CPU with amx_bf16/amx_tile, SmolLM2-135M-Instruct
+Measured so far (on a machine with AMX): on a CPU with amx_bf16/amx_tile, SmolLM2-135M-Instruct
 answers the chat prompt "What is the capital of France?" with "L'Étoile, la Marseillaise, ..."
 with "amx" (block size 128 or 32), "The capital of France is Paris." with "vec" and in float32.
 """

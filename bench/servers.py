@@ -3,7 +3,7 @@
 Both get the same model and the same engine settings as tokenline's vLLM
 worker (engine/config.py WorkerConfig and engine/vllm_backend.py: bf16, eager,
 explicit KV cache size, block size, sequence and batch-token budgets, priority
-scheduling), and the environment VLLM-CPU.md asks for. Each server runs in its
+scheduling), and the environment a CPU engine process needs (ENGINE_ENV). Each server runs in its
 own session and is stopped as a process group (SIGTERM, then SIGKILL).
 """
 
@@ -22,9 +22,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-MiB = 1 << 20
+from tokenline.engine.config import MiB
 
-# What every engine process on these CPU machines needs (see VLLM-CPU.md).
+# What every engine process on these CPU machines needs: one OpenMP thread (the bench sizes workers),
+# no hub or telemetry traffic, and a loopback address for vLLM's own sockets.
 ENGINE_ENV = {
     "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1",

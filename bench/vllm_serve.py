@@ -3,7 +3,7 @@
     python -m tokenline.bench.vllm_serve --model FOLDER --port 8000 [vLLM api_server flags]
 
 On these CPUs Linux must grant AMX to a process before the attention kernel uses
-it, or a short first prompt kills the process with SIGILL (see VLLM-CPU.md).
+it, or a short first prompt kills the process with SIGILL (torch.cpu._init_amx asks for it).
 This launcher grants it here, and a `sitecustomize` on PYTHONPATH grants it in
 every Python process vLLM starts (spawned processes do not inherit it), then it
 runs `vllm.entrypoints.openai.api_server` unchanged. Run only as a subprocess:

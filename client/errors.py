@@ -14,6 +14,8 @@ a subclass of `TokenlineError`; the original `grpc.RpcError` is its `__cause__`.
      ├── Unavailable         UNAVAILABLE: server down or draining (already retried)
      ├── Cancelled           CANCELLED
      ├── RunLost             ABORTED: the run a resumed stream followed is gone; send again from the start
+     ├── Refused             FAILED_PRECONDITION: this work is quarantined (it kept crashing workers),
+     │                       or its idempotency key was used for different work; change the request or the key
      └── ServerError         any other status (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)
 
 Each carries `.code` (a `grpc.StatusCode`), `.details` (the server's message) and
@@ -96,6 +98,12 @@ class RunLost(TokenlineError):
     received belong to that lost run; send the request again from the start."""
 
 
+class Refused(TokenlineError):
+    """FAILED_PRECONDITION: retrying the same call will not help. The request (same model, prompt
+    and sampling) kept crashing workers and is quarantined for a while, or its idempotency key
+    was already used for a different request; change the request, or use a new key."""
+
+
 class ServerError(TokenlineError):
     """Any other failure status (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)."""
 
@@ -112,6 +120,7 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[TokenlineError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.ABORTED: RunLost,
+    grpc.StatusCode.FAILED_PRECONDITION: Refused,
 }
 
 

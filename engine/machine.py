@@ -17,20 +17,20 @@ The rules, measured on the 2-core CPU boxes (see README, "Sizing from the machin
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-MiB = 1 << 20
+from tokenline.engine import modelconfig
+from tokenline.engine.config import MiB
+
 GiB = 1 << 30
 
 FRONTEND_RESERVE_BYTES = 1 * GiB  # the gRPC frontend, tokenizers, the OS's own slack
 WORKER_FOOTPRINT_BYTES = 2 * GiB  # one in-process vLLM engine without its KV cache (measured ~1.7 GiB)
 KV_MEMORY_SHARE = 0.5  # of what is left: the rest stays free for the page cache and anything else
 MIN_KV_BYTES = 64 * MiB
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
 
 @dataclass(frozen=True)
@@ -148,19 +148,7 @@ def visible_gpus() -> int:
 
 def kv_bytes_per_token(model_path: str | Path, dtype: str = "bfloat16") -> int | None:
     """KV cache bytes one token takes in this model (keys and values, every layer), from config.json."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config)
-    try:
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 2)
+    return modelconfig.kv_bytes_per_token(modelconfig.read_config(model_path), dtype)
 
 
 def _cgroup_file(name: str) -> str | None:

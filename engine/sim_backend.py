@@ -12,12 +12,12 @@ sequences are reported finished together when its longest one ends.
 No vllm or torch here; text comes from the model folder's tokenizer.json
 when there is one (via the `tokenizers` library), else " t<id>" per token.
 """
+# Over 400 lines: a whole engine (scheduling, KV blocks, preemption, tokens, text with stop strings) in one place.
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import os
 import time
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenline.engine import modelconfig
 from tokenline.engine.config import WorkerConfig
-from tokenline.engine.machine import kv_bytes_per_token
 from tokenline.engine.types import FinishReason, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
 _DEFAULT_VOCAB = 32000
@@ -60,14 +60,14 @@ class SimModel:
 
     def __init__(self, model_path: str):
         folder = Path(model_path)
-        hf = _read_json(folder / "config.json")
+        hf = modelconfig.read_config(folder)
         self.tokenizer = _load_tokenizer(folder / "tokenizer.json")
         vocab = self.tokenizer.get_vocab_size() if self.tokenizer is not None else hf.get("vocab_size")
         self.vocab_size = int(vocab or _DEFAULT_VOCAB)
         eos = hf.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
         self.context_len = int(hf.get("max_position_embeddings") or 1 << 30)
-        self.kv_bytes_per_token = kv_bytes_per_token(folder) or _DEFAULT_KV_BYTES_PER_TOKEN
+        self.kv_bytes_per_token = modelconfig.kv_bytes_per_token(hf) or _DEFAULT_KV_BYTES_PER_TOKEN
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is not None:
@@ -406,15 +406,6 @@ def _mix(digest: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    value = value.get("text_config", value) if isinstance(value, dict) else {}
-    return value if isinstance(value, dict) else {}
 
 
 def _load_tokenizer(path: Path) -> Any:

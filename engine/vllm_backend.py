@@ -9,10 +9,10 @@ What the public API does not tell a step loop (free KV blocks, queue lengths,
 what was scheduled in the step) is read from vLLM 0.32 internals, all of it in
 `_SchedulerView` below, which degrades to estimates when those change.
 """
+# Over 400 lines: everything that touches vLLM stays in this one module (the only vllm import).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -352,12 +352,9 @@ def _build_engine(config: WorkerConfig) -> LLMEngine:
 
 def _model_context_len(model_path: str) -> int:
     """The model's own context length from config.json (max_model_len may not exceed it)."""
-    try:
-        hf = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {model_path}/config.json ({e}); model_path must be a Hugging Face model folder") from e
-    hf = hf.get("text_config", hf)
-    return int(hf.get("max_position_embeddings") or hf.get("max_sequence_length") or 1 << 30)
+    from tokenline.engine import modelconfig
+
+    return modelconfig.context_len(modelconfig.read_config(model_path, strict=True)) or 1 << 30
 
 
 def _model_version(model_path: str) -> str:

@@ -6,10 +6,11 @@ token ids and a bad prompt is refused before it costs any engine time.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from dataclasses import dataclass
 from typing import Any
+
+from tokenline.engine import modelconfig
 
 
 @dataclass
@@ -40,8 +41,8 @@ def load_served_model(name: str, path: pathlib.Path, version: str, max_model_len
     from transformers import AutoTokenizer  # heavy: imported only when a server starts
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    config: dict[str, Any] = json.loads((path / "config.json").read_text())
-    context = int(config.get("max_position_embeddings", max_model_len))
+    config = modelconfig.read_config(path, strict=True)
+    context = modelconfig.context_len(config) or max_model_len
     vocab = int(config.get("vocab_size", len(tokenizer)))
     return ServedModel(name=name, path=path, version=version, max_context=min(context, max_model_len), vocab_size=vocab,
                        tokenizer=tokenizer, max_token_chars=longest_token_chars(tokenizer))

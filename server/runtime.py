@@ -11,131 +11,29 @@ is no longer current is dropped and counted, so a request completes once.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
-from tokenline.engine.autoscale import AutoscaleConfig, read_pressure
 from dataclasses import dataclass, replace
 
+from tokenline.engine.autoscale import AutoscaleConfig, read_pressure
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refusal, Refuse, Retry, StepResult, StopRun
-from tokenline.engine.types import Abort, Admit, FinishReason, Sampling, StepReport, TrafficClass, WorkerSpec, WorkItem
+from tokenline.engine.scheduler.records import Compose, Dispatch, Expire, Fail, Refusal, Refuse, Retry, StepResult, StopRun
+from tokenline.engine.types import Abort, Admit, FinishReason, StepReport, TrafficClass, WorkerSpec, WorkItem
 from tokenline.engine.supervisor import Supervisor
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
 from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, InvalidRequest, Overloaded, Quarantined, ServingError, Unavailable
-from tokenline.server.timeline import Timeline
+# What a request is, on the connection side; imported from here by the servicer, jobs, telemetry.
+from tokenline.server.request import _END, Chunk, RequestKey, RequestState, fingerprint  # noqa: F401
 
 log = logging.getLogger("tokenline.runtime")
 
 
-@dataclass(frozen=True, order=True)
-class RequestKey:
-    """Who owns a request id: ids are the caller's choice, so they are unique only within a tenant.
-
-    Kept as two fields, never joined into one string that a tenant name or id containing a
-    separator could forge. `str()` (the scheduler's run keys and worker ids) is JSON, which is
-    injective.
-    """
-
-    tenant: str
-    request_id: str
-
-    def __str__(self) -> str:
-        return json.dumps([self.tenant, self.request_id])
-
-
-@dataclass
-class Chunk:
-    """Tokens for the stream: index of the first one, ids and text."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    attempt: int
-
-
-class RequestState:
-    """The connection side of one request: what it asks (prompt, sampling), what its callers
-    were given (token ids and text per token, its finish reason or error), its timeline and
-    mailboxes.
-
-    Its lifecycle (attempt, current run and worker, tokens generated, status, preemptions,
-    waits) and what the scheduler decides by (model, tenant, class, deadline) live in the
-    scheduler's `Entry`, which this holds as `entry` and reads through.
-    """
-
-    def __init__(self, key: RequestKey, model: str, cls: TrafficClass, prompt_ids: list[int], sampling: Sampling,
-                 timeline: Timeline, deadline: float | None, *, fault_marker: bool = False,
-                 must_complete_by_deadline: bool = False, idempotency_key: str = ""):
-        self.entry = Entry(key=key, model=model, tenant=key.tenant, cls=cls, prompt_tokens=len(prompt_ids),
-                           max_tokens=sampling.max_tokens, arrival=0.0, deadline=deadline,
-                           must_complete_by_deadline=must_complete_by_deadline)
-        self.prompt_ids = prompt_ids
-        self.sampling = sampling
-        self.timeline = timeline
-        self.fault_marker = fault_marker
-        self.idempotency_key = idempotency_key
-        self.token_ids: list[int] = []
-        self.text: list[str] = []  # per token, so a stream can resume at any index
-        self.finish_reason: FinishReason | None = None
-        self.error: ServingError | None = None
-        # One mailbox per caller following this run (a retry with the same idempotency key attaches).
-        self.subscribers: list[asyncio.Queue] = []
-
-    key = property(lambda self: self.entry.key)
-    model = property(lambda self: self.entry.model)
-    tenant = property(lambda self: self.entry.tenant)
-    cls = property(lambda self: self.entry.cls)
-    deadline = property(lambda self: self.entry.deadline)
-    must_complete_by_deadline = property(lambda self: self.entry.must_complete_by_deadline)
-    attempt = property(lambda self: self.entry.attempt)
-    preemptions = property(lambda self: self.entry.preemptions)
-    done = property(lambda self: self.entry.done, doc="Its lifecycle ended (finished, failed, cancelled, refused...).")
-
-    @property
-    def request_id(self) -> str:
-        return self.key.request_id
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self.model, self.sampling, self.prompt_ids)
-
-    def subscribe(self, from_index: int = 0) -> asyncio.Queue:
-        """A new mailbox, primed with what was produced after `from_index` so far."""
-        q: asyncio.Queue = asyncio.Queue()
-        if len(self.token_ids) > from_index:
-            q.put_nowait(Chunk(from_index, self.token_ids[from_index:], "".join(self.text[from_index:]), self.attempt))
-        if self.done:
-            q.put_nowait(_END)
-        self.subscribers.append(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> int:
-        """Forget a mailbox; returns how many callers still follow the run."""
-        if q in self.subscribers:
-            self.subscribers.remove(q)
-        return len(self.subscribers)
-
-    def emit(self, item: object) -> None:
-        for q in self.subscribers:
-            q.put_nowait(item)
-
-
-def fingerprint(model: str, sampling: Sampling, prompt_ids: list[int]) -> str:
-    """Canonical hash of what makes two requests the same work: model, prompt tokens and sampling."""
-    h = hashlib.sha256(f"{model}|{sampling!r}|".encode())
-    h.update(",".join(map(str, prompt_ids)).encode())
-    return h.hexdigest()
-
-
 MAX_QUARANTINED = 10_000  # fingerprints refused at once; beyond it the soonest to expire goes
 
-_END = object()  # sentinel in a request's mailbox: finished (or failed, see .error)
 
 
 @dataclass

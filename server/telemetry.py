@@ -12,6 +12,7 @@ each one measures (milliseconds for waits and token gaps, seconds for whole requ
 Labels are bounded: model, class, outcome, refusal reason, worker; tenant only on
 `tokenline_requests_total`, and only for the first `max_tenant_labels` tenants seen.
 """
+# Over 400 lines: metrics, traces and the request log share one per-request bill and one snapshot of the runtime.
 
 from __future__ import annotations
 

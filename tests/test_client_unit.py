@@ -243,6 +243,7 @@ def test_a_binary_pushback_value_is_read_too():
         (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceeded),
         (grpc.StatusCode.UNAVAILABLE, Unavailable),
         (grpc.StatusCode.CANCELLED, errors.Cancelled),
+        (grpc.StatusCode.FAILED_PRECONDITION, errors.Refused),
         (grpc.StatusCode.INTERNAL, ServerError),
         (grpc.StatusCode.UNIMPLEMENTED, ServerError),
     ],

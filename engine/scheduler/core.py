@@ -9,6 +9,8 @@ fresh budget and admit interactive first, then bulk, each class only when its
 dispatch rule fires (the budget would be filled, the oldest request has waited
 its admission window, or waiting longer would threaten a deadline).
 """
+# Over 400 lines: the event handlers and the dispatch decision share one state and one invariant
+# (every event ends in _dispatch); forecasts, budgets, queues and composition are already apart.
 
 from __future__ import annotations
 
