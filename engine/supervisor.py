@@ -25,6 +25,7 @@ and a Ray actor (engine/ray_workers.py) both fit.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -75,6 +76,7 @@ class Supervisor:
         self._retiring: set[int] = set()  # removed by the autoscaler: their exit is no crash
         self._idle_since: dict[int, float] = {}
         self._scale_timer: asyncio.TimerHandle | None = None
+        self.scale_decisions: collections.Counter[tuple[str, str]] = collections.Counter()  # (model, "add"|"remove")
 
     def start(self) -> None:
         if self.watchdog is not None:
@@ -161,9 +163,11 @@ class Supervisor:
             for decision in scaler.decide(now, pressure):
                 if isinstance(decision, AddWorker):
                     wid = self.add_worker(model)
+                    self.scale_decisions[model, "add"] += 1
                     log.warning("autoscale: adding worker %d for model %s (%d → %d workers): %s", wid, model,
                                 self.target[model] - 1, self.target[model], decision.reason)
                 elif decision.worker_id not in busy and self.remove_worker(decision.worker_id):
+                    self.scale_decisions[model, "remove"] += 1
                     log.warning("autoscale: removing worker %d of model %s (%d → %d workers): %s", decision.worker_id,
                                 model, self.target[model] + 1, self.target[model], decision.reason)
         self._scale_timer = self.loop.call_later(AUTOSCALE_CHECK_S, self._autoscale)

@@ -114,6 +114,8 @@ class _Snapshot:
     worker_info: dict[int, dict[str, str]] = field(default_factory=dict)  # labels of tokenline_worker_info
     stale: int = 0
     restarts: int = 0
+    workers_wanted: dict[str, int] = field(default_factory=dict)  # active workers aimed for, per model
+    scale_decisions: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, add|remove) -> count
     taken_at: float = float("-inf")
 
 
@@ -214,6 +216,10 @@ class Telemetry:
                                         description="Outputs of runs no longer current (preempted, retried, cancelled), dropped.")
         meter.create_observable_counter("tokenline_worker_restarts_total", callbacks=[self._observe_restarts],
                                         description="Workers restarted after they died.")
+        meter.create_observable_gauge("tokenline_workers_wanted", callbacks=[self._observe_wanted],
+                                      description="Active workers the supervisor aims for per model (the autoscaler moves it).")
+        meter.create_observable_counter("tokenline_autoscale_decisions_total", callbacks=[self._observe_scaling],
+                                        description="Workers the autoscaler added (action=add) or removed (action=remove).")
 
     def watch(self, runtime: Runtime, default_model: str) -> None:
         """Follow `runtime`: its step reports, scheduler actions and queues. Call on its event loop."""
@@ -404,6 +410,8 @@ class Telemetry:
                                      "self_check": spec.self_check.split(":")[0]}
         snap.stale = rt.scheduler.counters.stale_outputs
         snap.restarts = rt.workers.restarts
+        snap.workers_wanted = dict(rt.workers.target)
+        snap.scale_decisions = dict(rt.workers.scale_decisions)
         return snap
 
     def _read(self) -> _Snapshot:
@@ -460,6 +468,12 @@ class Telemetry:
 
     def _observe_restarts(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._read().restarts)]
+
+    def _observe_wanted(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"model": m}) for m, n in self._read().workers_wanted.items()]
+
+    def _observe_scaling(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"model": m, "action": a}) for (m, a), n in self._read().scale_decisions.items()]
 
     # ------------------------------------------------------------ helpers
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from tokenline.client import AsyncClient
-from tests.support import ServerProcess, wait_until
+from tests.support import ServerProcess, free_port, metric_values, scrape, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -19,10 +19,12 @@ TOKENS = 12
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     steps = tmp_path_factory.mktemp("autoscale") / "steps.jsonl"
-    s = ServerProcess("--engine", "sim", "--model", "tiny", "--workers", "1", "--max-seqs", "4", "--sim-step-ms", "60",
+    metrics_port = free_port()
+    s = ServerProcess("--metrics-port", str(metrics_port), "--engine", "sim", "--model", "tiny", "--workers", "1", "--max-seqs", "4", "--sim-step-ms", "60",
                       "--autoscale-max-workers", "2", "--autoscale-queue-age-s", "0.5", "--autoscale-cooldown-s", "3",
                       "--autoscale-settle-s", "1", "--step-log", str(steps), "--log-level", "INFO").start()
     s.step_log = steps
+    s.metrics_port = metrics_port
     yield s
     s.stop()
 
@@ -57,12 +59,18 @@ def test_a_step_of_load_adds_a_worker_that_serves_and_goes_once_idle_for_the_coo
     new_worker = int(re.search(r"adding worker (\d+)", added[0]).group(1))
     steps = [json.loads(line) for line in server.step_log.read_text().splitlines()]
     assert any(s["worker"] == new_worker and s["batch"] > 0 for s in steps), "the added worker took no work"
+    adds = {k: v for k, v in scrape(server.metrics_port).items()
+            if k.startswith("tokenline_autoscale_decisions_total{") and 'action="add"' in k}
+    assert list(adds.values()) == [float(len(added))], adds  # and as a metric
 
     # The load is gone: after the cool-down the idle worker is removed, and no more are added.
     assert wait_until(lambda: any("removing worker" in line for line in decisions(server)), timeout=60), decisions(server)
     removed = [line for line in decisions(server) if "removing worker" in line]
     assert "idle" in removed[0]
     assert len([line for line in decisions(server) if "adding worker" in line]) == len(added)
+    metrics = scrape(server.metrics_port)
+    assert sum(metric_values(metrics, "tokenline_autoscale_decisions_total")) == len(added) + len(removed)
+    assert metric_values(metrics, "tokenline_workers_wanted") == [1.0]
     # What is left serves on.
     again = asyncio.run(burst(server.address, 2))
     assert all(sum(len(d.token_ids) for d in deltas) == TOKENS for deltas in again)
