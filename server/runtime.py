@@ -82,8 +82,8 @@ class Runtime:
 
     @property
     def specs(self) -> dict[int, WorkerSpec]:
-        """Workers ready and taking work, by id."""
-        return self.workers.specs
+        """Workers ready and taking work, by id (the scheduler's view of them is the one record)."""
+        return {wid: view.spec for wid, view in self.scheduler.workers.items()}
 
     @property
     def start_errors(self) -> dict[str, str]:
@@ -104,10 +104,10 @@ class Runtime:
 
     def _heaviest_step_s(self, wid: int) -> float:
         """The step-time model's estimate for this worker's heaviest step: every slot, a full prefill."""
-        view, spec = self.scheduler.workers.get(wid), self.specs.get(wid)
-        if view is None or spec is None:
+        view = self.scheduler.workers.get(wid)
+        if view is None:
             return 0.0
-        return view.estimator.predict_s(spec.max_seqs, spec.prefill_token_budget)
+        return view.estimator.predict_s(view.spec.max_seqs, view.spec.prefill_token_budget)
 
     def _capacity_changed(self) -> None:
         serving = all(self.model_loaded(m) for m in self.worker_configs)
