@@ -61,6 +61,7 @@ class Supervisor:
         self.heaviest_step_s = heaviest_step_s  # the step-time model's estimate of a worker's heaviest step
         self.factory = factory  # how a worker is started: a local process, or a Ray actor
         self.handles: dict[int, Any] = {}
+        self.specs: dict[int, WorkerSpec] = {}  # ready, active workers
         self.restarts = 0
         self.start_errors: dict[str, str] = {}  # model -> why its worker could not start (never restarted)
         self._next_id = 0
@@ -201,6 +202,7 @@ class Supervisor:
             log.error("worker %d failed to start: %s", wid, msg.message)
 
     def _activate(self, wid: int, spec: WorkerSpec) -> None:
+        self.specs[wid] = spec
         log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, attention kernel %s, self-check %s",
                  wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",
                  spec.attention_kernel or "-", spec.self_check or "-")
@@ -215,6 +217,7 @@ class Supervisor:
         if self.watchdog is not None:
             self.watchdog.forget(wid)
         handle = self.handles.pop(wid, None)
+        self.specs.pop(wid, None)
         model = self._model_of.pop(wid, None)
         was_standby = wid in self._standby_ids
         self._standby_ids.discard(wid)

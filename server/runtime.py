@@ -82,8 +82,8 @@ class Runtime:
 
     @property
     def specs(self) -> dict[int, WorkerSpec]:
-        """Workers ready and taking work, by id (the scheduler's view of them is the one record)."""
-        return {wid: view.spec for wid, view in self.scheduler.workers.items()}
+        """Workers ready and taking work, by id."""
+        return self.workers.specs
 
     @property
     def start_errors(self) -> dict[str, str]:
