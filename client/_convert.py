@@ -42,6 +42,7 @@ class GenerateOptions(TypedDict, total=False):
     the same key returns the same run's result; a keyed stream re-attaches after a
     break); deadline_s: seconds from now, bounds the call and tells the server;
     require_completion: with a deadline, refuse unless the whole completion fits;
+    itl_target_ms: interactive only, this request's own inter-token latency target;
     timeout: bounds the call only.
     """
 
@@ -60,6 +61,7 @@ class GenerateOptions(TypedDict, total=False):
     idempotency_key: str
     deadline_s: float | None
     require_completion: bool
+    itl_target_ms: float
     timeout: float | None
 
 
@@ -82,6 +84,7 @@ def build_request(
     idempotency_key: str = "",
     resume_from_index: int = 0,
     require_completion: bool = False,
+    itl_target_ms: float = 0.0,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for one call. Raises ValueError on arguments no server would accept.
 
@@ -110,6 +113,7 @@ def build_request(
         idempotency_key=idempotency_key,
         resume_from_index=resume_from_index,
         require_completion_by_deadline=require_completion,
+        itl_target_ms=itl_target_ms,
         deadline_unix_ms=deadline_unix_ms,
         sampling=pb.SamplingParams(
             max_tokens=max_tokens,

@@ -41,6 +41,7 @@ class SimRequest:
     cancel_at: float | None = None
     must_complete: bool = False
     stops_after: int | None = None  # the model ends it on its own (eos) after this many tokens; None: at max_tokens
+    itl_target_s: float | None = None  # interactive: its own inter-token latency target (None: the class's)
 
 
 @dataclass
@@ -198,7 +199,7 @@ class Simulation:
         self._stops_after[r.key] = r.stops_after
         entry = Entry(key=r.key, model=next(iter(self.workers.values())).spec.model, tenant=r.tenant, cls=r.cls,
                       prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens, arrival=r.arrival, deadline=r.deadline,
-                      must_complete_by_deadline=r.must_complete)
+                      must_complete_by_deadline=r.must_complete, itl_target_s=r.itl_target_s)
         self._handle(self.scheduler.submit(entry))
 
     def _arm_timer(self) -> None:

@@ -78,6 +78,22 @@ def validate(req: pb.GenerateRequest, models: dict[str, ServedModel], default_mo
     return tokenize(check(req, models, default_model, limits), limits)
 
 
+MAX_ITL_TARGET_MS = 60_000.0
+
+
+def itl_target(req: pb.GenerateRequest, cls: TrafficClass) -> float | None:
+    """The request's own inter-token latency target in seconds (None: the server's)."""
+    ms = req.itl_target_ms
+    if ms == 0:
+        return None
+    if not math.isfinite(ms) or ms < 0 or ms > MAX_ITL_TARGET_MS:
+        raise InvalidRequest(f"itl_target_ms must be a number of milliseconds in (0, {MAX_ITL_TARGET_MS:.0f}], "
+                             f"or 0 for the server's target; got {ms}")
+    if cls != TrafficClass.INTERACTIVE:
+        raise InvalidRequest("itl_target_ms applies to interactive requests; a bulk request has no inter-token target")
+    return ms / 1000
+
+
 def check(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model: str, limits: Limits) -> CheckedRequest:
     """Every check that costs no more than reading the request; refuses a prompt too big to fit the context."""
     model = pick_model(req.model, models, default_model)

@@ -179,7 +179,8 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         state = RequestState(key=RequestKey(tenant, request_id),
                              model=valid.model.name, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
                              timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key,
-                             must_complete_by_deadline=request.require_completion_by_deadline)
+                             must_complete_by_deadline=request.require_completion_by_deadline,
+                             itl_target_s=convert.itl_target(request, valid.cls))
         mailbox = state.subscribe()
         self.runtime.submit(state)
         return _Call(state=state, mailbox=mailbox, owner=True)

@@ -48,6 +48,10 @@ BAD_REQUESTS = {
     "request id too long": (pb.GenerateRequest(text="hi", request_id="x" * 200), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     "unknown model": (pb.GenerateRequest(text="hi", model="gpt-17"), grpc.StatusCode.NOT_FOUND, "unknown model"),
     "resume without an idempotency key": (pb.GenerateRequest(text="hi", resume_from_index=3), grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key"),
+    "negative ITL target": (pb.GenerateRequest(text="hi", itl_target_ms=-5), grpc.StatusCode.INVALID_ARGUMENT, "itl_target_ms"),
+    "ITL target not a number": (pb.GenerateRequest(text="hi", itl_target_ms=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "itl_target_ms"),
+    "ITL target of a minute and more": (pb.GenerateRequest(text="hi", itl_target_ms=60_001), grpc.StatusCode.INVALID_ARGUMENT, "itl_target_ms"),
+    "ITL target on bulk": (pb.GenerateRequest(text="hi", itl_target_ms=80, traffic_class=pb.BULK), grpc.StatusCode.INVALID_ARGUMENT, "interactive"),
 }
 
 
@@ -65,6 +69,12 @@ def test_asking_for_completion_by_a_deadline_without_giving_one_is_invalid(stub)
         stub.Complete(pb.GenerateRequest(text="hi", require_completion_by_deadline=True))  # no gRPC timeout either
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "needs a deadline" in info.value.details()
+
+
+def test_an_interactive_request_may_carry_its_own_itl_target(sim_server):
+    with Client(sim_server.address) as client:
+        result = client.complete("pace me", max_tokens=6, ignore_eos=True, itl_target_ms=80)
+    assert len(result.token_ids) == 6
 
 
 def test_the_server_keeps_serving_after_bad_input(stub, sim_server):

@@ -99,6 +99,9 @@ class SchedulerConfig:
     # decode in every step, so that bulk never starves while interactive streams run.
     itl_target_share: float = 0.85
     min_bulk_decode: int = 1
+    # A request's own ITL target (GenerateRequest.itl_target_ms) is never taken tighter than this
+    # many single-sequence steps of its worker: no one request may pause bulk work harder.
+    min_itl_target_steps: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.bulk_floor < 1.0:
@@ -111,6 +114,8 @@ class SchedulerConfig:
             raise ValueError(f"step_time_prior_s must be > 0, got {self.step_time_prior_s}")
         if not 0.0 < self.itl_target_share <= 1.0:
             raise ValueError(f"itl_target_share must be in (0, 1], got {self.itl_target_share}")
+        if self.min_itl_target_steps < 1:
+            raise ValueError(f"min_itl_target_steps must be >= 1 (a step cannot be shorter than a single sequence's), got {self.min_itl_target_steps}")
         if self.min_bulk_decode < 0:
             raise ValueError(f"min_bulk_decode must be >= 0, got {self.min_bulk_decode}")
         if self.isolate_after_crashes < 1:

@@ -317,12 +317,23 @@ class Scheduler(AdmissionControl):
                               interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
                               bulk=sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled))
             single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
-            plan = compose_step(load, w.cadence, self.config.interactive.itl_target_for(single),
+            plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
                                 share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode)
             if (plan.bulk_decode, plan.prefill_tokens) != (w.plan.bulk_decode, w.plan.prefill_tokens):
                 actions.append(Compose(wid, plan))
             w.plan = plan
         return actions
+
+    def _itl_target(self, interactive: list[Entry], single_step_s: float) -> float | None:
+        """The tightest ITL target among the interactive requests running on a worker: the class's,
+        or a request's own, which is never taken below `min_itl_target_steps` single steps."""
+        target = self.config.interactive.itl_target_for(single_step_s)
+        own = [e.itl_target_s for e in interactive if e.itl_target_s is not None]
+        if own:
+            floor = self.config.min_itl_target_steps * single_step_s
+            tightest = max(min(own), floor)
+            target = tightest if target is None else min(target, tightest)
+        return target
 
     def _isolated(self, e: Entry) -> bool:
         """A suspect: running when workers died often enough that it must run alone."""

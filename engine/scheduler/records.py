@@ -28,6 +28,7 @@ class Entry:
     arrival: float  # when it was enqueued; kept while it waits, whatever happens to workers
     deadline: float | None = None
     must_complete_by_deadline: bool = False  # refuse unless the whole completion fits, not just its first token
+    itl_target_s: float | None = None  # interactive: its own inter-token latency target (None: its class's)
     status: Status = Status.QUEUED
     attempt: int = 1
     run: int = 0  # admissions so far (a preemption re-admits without a new attempt)
