@@ -30,3 +30,22 @@ def choose_attention_kernel(requested: str, vllm_choice: str, vllm_version: str)
     if requested != vllm_choice:
         return requested, f"forced; vLLM would take {vllm_choice!r}"
     return requested, ""
+
+
+# The step plan reorders vLLM's scheduler state between steps (engine/vllm_backend.py's _SchedulerView):
+# checked against these releases' scheduler. On another, plans are ignored unless the operator says
+# otherwise (TOKENLINE_STEP_PLANS=on), since a changed scheduler could lose or starve requests.
+STEP_PLANS_CHECKED_ON = ("0.32.0",)
+
+
+def step_plans_enabled(vllm_version: str, setting: str | None) -> tuple[bool, str]:
+    """(whether this worker carries out step plans, why), from vLLM's version and TOKENLINE_STEP_PLANS."""
+    if setting == "off":
+        return False, "step plans off (TOKENLINE_STEP_PLANS=off)"
+    if setting == "on":
+        return True, f"step plans on for vLLM {vllm_version} (TOKENLINE_STEP_PLANS=on)"
+    if vllm_version.split("+")[0] in STEP_PLANS_CHECKED_ON:
+        return True, f"step plans on (vLLM {vllm_version})"
+    return False, (f"step plans OFF: they reorder vLLM's scheduler state and were checked only on vLLM "
+                   f"{', '.join(STEP_PLANS_CHECKED_ON)}, not {vllm_version}; interactive ITL targets are not "
+                   f"enforced on this worker (TOKENLINE_STEP_PLANS=on to use them anyway)")

@@ -23,7 +23,7 @@ from typing import Any
 from tokenline.engine import selfcheck
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter, StopAcrossAttempts, delivered_text
-from tokenline.engine.kernels import choose_attention_kernel
+from tokenline.engine.kernels import choose_attention_kernel, step_plans_enabled
 from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,10 @@ class VllmBackend:
         reference, self.self_check = self._reference()
         self.engine = _build_engine(config)
         self.view = _SchedulerView(self.engine)
+        import vllm
+
+        self.step_plans, why = step_plans_enabled(vllm.__version__, os.environ.get("TOKENLINE_STEP_PLANS"))
+        (log.info if self.step_plans else log.warning)("worker %d: %s", worker_id, why)
         if reference is not None:
             self.self_check = self._run_self_check(reference)
         self._internal_id: dict[str, str] = {}  # key -> vLLM's request id (key + random suffix)
@@ -144,7 +148,8 @@ class VllmBackend:
         self._aborted.extend(live)
 
     def set_plan(self, plan: StepPlan) -> None:
-        self.view.plan = plan
+        if self.step_plans:
+            self.view.plan = plan
 
     def has_work(self) -> bool:
         return bool(self._internal_id or self._aborted or self._rejected)

@@ -165,3 +165,21 @@ def test_the_simulated_worker_pauses_bulk_beyond_the_plan_only_while_an_interact
     assert any(o.key == "chat" for o in joined.outputs)
     backend.abort(("chat",))
     assert backend.step().batch_size == 8
+
+
+@pytest.mark.parametrize("version, setting, enabled", [
+    ("0.32.0", None, True),
+    ("0.32.0+cpu", None, True),
+    ("0.33.0", None, False),  # an unchecked scheduler: plans are not carried out
+    ("0.33.0", "on", True),  # unless the operator says so
+    ("0.32.0", "off", False),
+])
+def test_step_plans_are_carried_out_only_on_a_vllm_whose_scheduler_was_checked(version, setting, enabled):
+    from tokenline.engine.kernels import step_plans_enabled
+
+    on, why = step_plans_enabled(version, setting)
+
+    assert on is enabled
+    assert version in why or setting == "off"
+    if not on and setting is None:
+        assert "TOKENLINE_STEP_PLANS=on" in why  # the message says how to turn them on
