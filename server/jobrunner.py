@@ -124,6 +124,7 @@ class JobRunner:
 
     async def _claim_loop(self) -> None:
         while not self._stopping:
+            self._wake.clear()  # before looking: a wake-up during the claim is not lost
             free = self.config.max_running - len(self._running)
             if free > 0:
                 try:
@@ -146,7 +147,6 @@ class JobRunner:
                     entry.task = asyncio.ensure_future(self._run(entry, previous.task if previous else None))
                 if len(claimed) == free:
                     continue  # there may be more waiting
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
             except asyncio.TimeoutError:
@@ -198,6 +198,7 @@ class JobRunner:
         finally:
             if self._running.get(job.job_id) is entry:
                 del self._running[job.job_id]
+                self._wake.set()  # a slot is free: claim the next job now, not at the next poll
 
     async def _drive(self, job: JobRecord, running: _Running) -> None:
         sampling = sampling_from_json(job.sampling)
