@@ -37,6 +37,7 @@ from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 ENDED = re.compile(r"job (\w+) ended (\w+)")
+CLAIMED = re.compile(r"job (\w+) claimed")
 EXAMPLES = """examples:
   tokenline bench jobs                                  # 200 jobs, a frontend SIGKILLed half-way
   tokenline bench jobs --jobs 50 --max-tokens 32 --frontends 1 --json
@@ -134,10 +135,13 @@ async def bench(args: argparse.Namespace) -> Report:
         watches = {j: Watch(j) for j in job_ids}
         kill = {"at": None}
         tasks = [asyncio.ensure_future(_watch(w, live, channels, kill)) for w in watches.values()]
-        while sum(1 for w in watches.values() if w.state) < args.jobs // 2:
-            await asyncio.sleep(0.05)
-        kill_at_ended = sum(1 for w in watches.values() if w.state)
+        # Half-way (by the frontends' own logs: watchers may lag behind), while the victim runs jobs.
         victim = servers[0]
+        while True:
+            kill_at_ended = sum(sum(_logged(s).values()) for s in servers)
+            if kill_at_ended >= args.jobs // 2 and _running_on(victim):
+                break
+            await asyncio.sleep(0.05)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         kill["at"] = time.monotonic()
         live.remove(victim.address)
@@ -171,12 +175,7 @@ async def bench(args: argparse.Namespace) -> Report:
     finally:
         for s in servers:
             s.stop()
-    ended: Counter = Counter()
-    for s in servers + retired:
-        for line in s.lines:
-            m = ENDED.search(line)
-            if m:
-                ended[m.group(1)] += 1
+    ended: Counter = sum((_logged(s) for s in servers + retired), Counter())
     lost = sum(1 for w in watches.values() if w.state != "succeeded" or len(w.tokens) != args.max_tokens)
     taken = [w for w in watches.values() if attempts.get(w.job_id, 0) >= 2 and w.job_id in stored_at_kill]
     firsts = [w.first_new_token_at(stored_at_kill[w.job_id]) for w in taken]
@@ -192,9 +191,19 @@ async def bench(args: argparse.Namespace) -> Report:
                   watcher_reconnects=sum(w.reconnects for w in watches.values()))
 
 
+def _logged(server: Server) -> Counter:
+    """job id -> times this frontend logged it ended."""
+    return Counter(m.group(1) for m in map(ENDED.search, list(server.lines)) if m)
+
+
+def _running_on(server: Server) -> set[str]:
+    claimed = {m.group(1) for m in map(CLAIMED.search, list(server.lines)) if m}
+    return claimed - set(_logged(server))
+
+
 async def _watch(w: Watch, live: list[str], channels: dict, kill: dict) -> None:
     """Follow one job to its end, reconnecting from the next index whenever the stream breaks."""
-    turn = 0
+    turn = int(w.job_id, 16) % 997  # watchers spread over the frontends, as callers would be
     while True:
         if not live:
             await asyncio.sleep(0.1)
