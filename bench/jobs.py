@@ -87,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="2: another frontend takes the killed one's jobs over; 1: the killed one is restarted "
                         "on the same store (default %(default)s)")
     p.add_argument("--store", default=None, help="job store: SQLite file or postgresql://… (default: a fresh SQLite file)")
+    p.add_argument("--kill-after", type=float, default=0.5,
+                   help="share of the jobs ended before the SIGKILL (default %(default)s: half-way)")
     p.add_argument("--lease-s", type=float, default=2.0, help="job lease of the frontends (default %(default)s)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up waiting for the jobs after this long")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -135,11 +137,12 @@ async def bench(args: argparse.Namespace) -> Report:
         watches = {j: Watch(j) for j in job_ids}
         kill = {"at": None}
         tasks = [asyncio.ensure_future(_watch(w, live, channels, kill)) for w in watches.values()]
-        # Half-way (by the frontends' own logs: watchers may lag behind), while the victim runs jobs.
+        # Once --kill-after of the jobs ended (by the frontends' own logs: watchers may lag behind), at a
+        # moment the victim runs jobs; if every job ends first, the kill takes nothing over.
         victim = servers[0]
         while True:
             kill_at_ended = sum(sum(_logged(s).values()) for s in servers)
-            if kill_at_ended >= args.jobs // 2 and _running_on(victim):
+            if (kill_at_ended >= int(args.jobs * args.kill_after) and _running_on(victim)) or kill_at_ended >= args.jobs:
                 break
             await asyncio.sleep(0.05)
         os.killpg(victim.proc.pid, signal.SIGKILL)
