@@ -128,7 +128,10 @@ class IdempotencyStore(SqlStore):
     def _open(self) -> None:
         self._connect()
         real, blob = ("DOUBLE PRECISION", "BYTEA") if self.postgres else ("REAL", "BLOB")
-        self._x(_SCHEMA.format(blob=blob, real=real))
+        if self.postgres:
+            self._script(_SCHEMA.format(blob=blob, real=real))  # under the schema lock
+        else:
+            self._x(_SCHEMA.format(blob=blob, real=real))
         if not self.postgres:
             columns = {row[1] for row in self._x("PRAGMA table_info(idempotency)")}
             for column, kind in _ADDED_LATER:

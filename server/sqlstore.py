@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tokenline.server.errors import Unavailable
 
 BUSY_TIMEOUT_S = 2.0  # how long one call waits for a lock held elsewhere, or for a connection
+SCHEMA_LOCK_KEY = 0x746F6B656E6C  # PostgreSQL advisory lock taken while a schema is created ("tokenl")
 
 log = logging.getLogger("tokenline.store")
 
@@ -127,9 +128,17 @@ class SqlStore:
         return self._db.execute(sql, args)
 
     def _script(self, schema: str) -> None:
-        for statement in schema.split(";"):
-            if statement.strip():
-                self._x(statement)
+        """Create a schema. On PostgreSQL under a lock: two servers creating the same tables at once can
+        both pass `IF NOT EXISTS`, and the second then fails on PostgreSQL's own catalog (a unique
+        violation), which stopped a frontend started beside another on a fresh database."""
+        if not self.postgres:
+            for statement in schema.split(";"):  # sqlite3 runs one statement per call
+                if statement.strip():
+                    self._x(statement)
+            return
+        with self._transaction():
+            self._x("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK_KEY,))
+            self._db.execute(schema)  # the whole script, no parameters: PostgreSQL's simple protocol runs it all
 
     def _transaction(self):
         store = self

@@ -54,7 +54,8 @@ def test_two_frontends_on_postgresql_take_over_and_fence_each_other(postgres):  
         t.start()
     for t in starting:
         t.join()
-    assert a.address and b.address and a.proc.poll() is None and b.proc.poll() is None
+    assert a.address and b.address and a.proc.poll() is None and b.proc.poll() is None, \
+        f"a frontend did not start:\n--- a ---\n{a.output()[-2000:]}\n--- b ---\n{b.output()[-2000:]}"
     try:
         with Client(a.address) as ca, Client(b.address) as cb:
             # A frozen past its lease: B takes its jobs over; resumed, A cannot write.

@@ -178,3 +178,32 @@ def test_a_stopped_postgresql_answers_unavailable_and_the_store_reconnects(postg
     store._guarded(store.submit, new_job("j2"))
     assert [j.job_id for j in store._guarded(store.list, "acme", (), None, 10)] == ["j1", "j2"]
     store.close()
+
+
+def test_servers_opening_one_fresh_postgresql_database_at_once_all_open(postgres):  # noqa: F811
+    # Two CREATE TABLE IF NOT EXISTS at once can both pass the check, and the second then fails on
+    # PostgreSQL's catalog: frontends started side by side on a new database must not.
+    import threading
+
+    from tokenline.server.idempotency import IdempotencyStore
+
+    uri = postgres.database()
+    opened, errors = [], []
+
+    def open_one(kind):
+        try:
+            opened.append(kind(uri))
+        except Exception as err:  # noqa: BLE001 - what the test is about
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=open_one, args=(kind,)) for kind in (JobStore, IdempotencyStore) * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert errors == []
+        assert len(opened) == 8
+    finally:
+        for store in opened:
+            store.close()
