@@ -148,12 +148,6 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
                                  on_done=telemetry.on_request_done, on_refused=telemetry.on_refused,
                                  on_shared=telemetry.on_shared)
     add_to_server(servicer, server)
-    web = None
-    if config.web is not None:
-        from tokenline.server.web import WebServer
-
-        web = WebServer(config.web)
-        add_to_server(servicer, web.gateway)  # the same servicer: same RPCs, auth, deadlines, statuses
     jobs = None
     if config.jobs is not None:
         try:
@@ -164,6 +158,12 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
             await asyncio.to_thread(telemetry.shutdown)
             return 1
         jobs = servicer.jobs = JobRunner(job_store, runtime, config.jobs)
+    web = None
+    if config.web is not None:
+        from tokenline.server.web import WebServer
+
+        web = WebServer(config.web)
+        add_to_server(servicer, web.gateway)  # the same servicer: same RPCs, auth, deadlines, statuses
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
