@@ -35,7 +35,7 @@ from typing import Any
 
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.types import Shutdown
-from tokenline.engine.worker import OnExit, OnMessage
+from tokenline.engine.worker import OnExit, OnMessage, feed_connection, pump_messages
 
 log = logging.getLogger(__name__)
 
@@ -234,18 +234,7 @@ class RayWorkerHandle:
             except Exception:  # noqa: BLE001 - the actor died at once; the read below ends
                 pass
             self._writer.start()
-            while True:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    break  # the actor's end closed: its process died, or its node went away
-                except Exception:  # one message that would not unpickle; the stream is still framed
-                    log.exception("unreadable message from worker %d", self.worker_id)
-                    continue
-                try:
-                    self._on_message(self.worker_id, msg)
-                except Exception:
-                    log.exception("on_message failed for worker %d", self.worker_id)
+            pump_messages(conn, self.worker_id, self._on_message)
         self._exitcode = self._exit_status()
         self._exited.set()
         self._outbox.put(None)  # let the writer go
@@ -267,8 +256,4 @@ class RayWorkerHandle:
 
     def _write(self) -> None:
         assert self._conn is not None
-        while (msg := self._outbox.get()) is not None:
-            try:
-                self._conn.send(msg)
-            except OSError:
-                return  # the worker is gone; the reader reports it
+        feed_connection(self._conn, self._outbox)

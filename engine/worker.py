@@ -274,25 +274,36 @@ class WorkerHandle:
         return self.exitcode
 
     def _read(self) -> None:
-        while True:
-            try:
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                break  # the worker's end closed: it exited or was killed
-            except Exception:  # one message that would not unpickle; the stream is still framed
-                log.exception("unreadable message from worker %d", self.worker_id)
-                continue
-            try:
-                self._on_message(self.worker_id, msg)
-            except Exception:
-                log.exception("on_message failed for worker %d", self.worker_id)
+        pump_messages(self._conn, self.worker_id, self._on_message)
         exitcode = self.join()
         self._outbox.put(None)  # let the writer go
         self._on_exit(self.worker_id, exitcode)
 
     def _write(self) -> None:
-        while (msg := self._outbox.get()) is not None:
-            try:
-                self._conn.send(msg)
-            except OSError:
-                return  # the worker is gone; the reader reports it
+        feed_connection(self._conn, self._outbox)
+
+
+def pump_messages(conn: Connection, worker_id: int, on_message: OnMessage) -> None:
+    """Hand each message from a worker's connection to `on_message` until the connection closes
+    (the worker exited, was killed, or its node went away). Shared by local and Ray workers."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the worker's end closed
+        except Exception:  # one message that would not unpickle; the stream is still framed
+            log.exception("unreadable message from worker %d", worker_id)
+            continue
+        try:
+            on_message(worker_id, msg)
+        except Exception:
+            log.exception("on_message failed for worker %d", worker_id)
+
+
+def feed_connection(conn: Connection, outbox: SimpleQueue) -> None:
+    """Send what is queued for a worker until a None is queued or the worker is gone."""
+    while (msg := outbox.get()) is not None:
+        try:
+            conn.send(msg)
+        except OSError:
+            return  # the worker is gone; the reader reports it

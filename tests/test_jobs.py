@@ -5,7 +5,6 @@ One server for the module, on a SQLite job store; the tiny model. The last test 
 (frontend and workers) and restarts a server on the same store.
 """
 
-import re
 import signal
 import sqlite3
 import threading
@@ -14,6 +13,7 @@ import pytest
 
 from tokenline.client import Client
 from tokenline.client.errors import TokenlineError
+from tests.jobs_support import ended, tokens_of, watch_to_end
 from tests.support import ServerProcess
 
 pytestmark = pytest.mark.engine
@@ -138,33 +138,6 @@ def test_a_locked_store_refuses_submissions_but_not_streams_or_accepted_jobs(ser
     assert refused.value.code.name == "UNAVAILABLE"
     assert sum(len(d.token_ids) for d in stream) == 32 and stream[-1].finish_reason == "length"
     assert chunks[-1].state == "succeeded" and sum(len(c.token_ids) for c in chunks) == 300
-
-
-ENDED = re.compile(r"job (\w+) ended (\w+)")
-
-
-def ended(*servers):
-    """job id -> how many times a server completed it (a server logs "job <id> ended" only after its
-    fenced end-state write succeeded)."""
-    counts = {}
-    for s in servers:
-        for line in s.lines:
-            m = ENDED.search(line)
-            if m:
-                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts
-
-
-def tokens_of(chunks):
-    for a, b in zip(chunks, chunks[1:]):
-        assert b.index == a.index + len(a.token_ids)  # no gap, no repeat
-    return [t for c in chunks for t in c.token_ids]
-
-
-def watch_to_end(client, job_id, from_index=0):
-    chunks = list(client.watch_job(job_id, from_index, timeout=240))
-    assert chunks[-1].state == "succeeded", chunks[-1]
-    return chunks
 
 
 def test_jobs_survive_a_sigkill_of_the_whole_server_and_a_watcher_resumes_without_gap(server, db):

@@ -7,7 +7,6 @@ fenced end-state write succeeded.
 """
 
 import os
-import re
 import signal
 import threading
 
@@ -15,37 +14,12 @@ import pytest
 
 from tokenline.client import Client
 from tests.postgres import postgres  # noqa: F401 - the fixture
+from tests.jobs_support import ended, tokens_of, watch_to_end
 from tests.support import ServerProcess, wait_until
 
 pytestmark = pytest.mark.engine
 
 ARGS = ("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024", "--job-lease-s", "2")
-ENDED = re.compile(r"job (\w+) ended (\w+)")
-
-
-def ended(*servers):
-    """job id -> how many times a server completed it."""
-    counts = {}
-    for s in servers:
-        for line in s.lines:
-            m = ENDED.search(line)
-            if m:
-                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts
-
-
-def tokens_of(chunks):
-    for a, b in zip(chunks, chunks[1:]):
-        assert b.index == a.index + len(a.token_ids)  # no gap, no repeat
-    return [t for c in chunks for t in c.token_ids]
-
-
-def watch_to_end(client, job_id, from_index=0):
-    chunks = list(client.watch_job(job_id, from_index, timeout=240))
-    assert chunks[-1].state == "succeeded", chunks[-1]
-    return chunks
-
-
 def test_two_frontends_on_postgresql_take_over_and_fence_each_other(postgres):  # noqa: F811
     store = postgres.database()
     a, b = ServerProcess(*ARGS, "--job-store", store), ServerProcess(*ARGS, "--job-store", store)
