@@ -10,6 +10,7 @@ requests, running sequences, KV in use, queued requests), with the server's RSS 
 
     python -m tokenline.bench.chaos --minutes 10        # exit status 0 when everything is zero and flat
 """
+# Over 400 lines: the traffic mix, the fault injector and the after-the-fact audit are one soak's parts.
 
 from __future__ import annotations
 
