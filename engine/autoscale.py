@@ -151,27 +151,15 @@ class Autoscaler:
 
 def read_pressure(scheduler, model_name: str, now: float, *, starting: int,
                   idle_since: dict[int, float]) -> Pressure:
-    """The queue of one model as the autoscaler sees it, read off the scheduler.
-
-    A queued request with a deadline counts as a predicted miss when the admission estimate
-    (when a slot frees up, given what runs and what queues, plus its time to first token) is
-    past its deadline. The estimate counts the whole queue as ahead of it, so it errs early:
-    for an autoscaler, adding a worker a little soon is the cheaper mistake.
-    """
+    """The queue of one model as the autoscaler sees it, read off the scheduler."""
     model = scheduler.models.get(model_name)
     if model is None:
         return Pressure(0, 0.0, 0, (), starting)
-    queued, oldest_age, misses = 0, 0.0, 0
-    for queue in model.queues.values():
-        queued += queue.requests
-        head = queue.oldest()
-        if head is not None:
-            oldest_age = max(oldest_age, now - head.arrival)
-        if queue.with_deadline and model.workers:
-            for e in queue:
-                if e.deadline is not None:
-                    done = scheduler._estimate_start(e, model, now) + scheduler._service_estimate(model_name, e)
-                    misses += done > e.deadline
-    workers = tuple(WorkerLoad(wid, scheduler.running(wid), None if scheduler.running(wid) else idle_since.get(wid, now))
-                    for wid in model.workers)
-    return Pressure(queued, oldest_age, misses, workers, starting)
+    queued = sum(queue.requests for queue in model.queues.values())
+    heads = [head for queue in model.queues.values() if (head := queue.oldest()) is not None]
+    oldest_age = max((now - head.arrival for head in heads), default=0.0)
+    loads = []
+    for wid in model.workers:
+        running = scheduler.running(wid)
+        loads.append(WorkerLoad(wid, running, None if running else idle_since.get(wid, now)))
+    return Pressure(queued, oldest_age, scheduler.predicted_misses(model_name, now), tuple(loads), starting)

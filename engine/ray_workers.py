@@ -73,7 +73,7 @@ class RayCluster:
             raise RayUnavailable(
                 "--ray-address needs Ray: install it with `pip install 'tokenline[ray]'` (or `pip install ray`)"
             ) from e
-        self._ray = ray
+        self.ray = ray  # the ray module, imported only once a cluster is asked for
         try:
             if not ray.is_initialized():
                 ray.init(address=address, namespace=namespace, log_to_driver=False,
@@ -87,13 +87,13 @@ class RayCluster:
 
     def resources(self) -> dict[str, float]:
         """What the cluster has in all (CPU, GPU, memory...), as Ray counts it."""
-        return dict(self._ray.cluster_resources())
+        return dict(self.ray.cluster_resources())
 
     def alive_nodes(self) -> list[str]:
-        return [n["NodeID"] for n in self._ray.nodes() if n.get("Alive")]
+        return [n["NodeID"] for n in self.ray.nodes() if n.get("Alive")]
 
     def shutdown(self) -> None:
-        self._ray.shutdown()
+        self.ray.shutdown()
 
 
 class _WorkerActor:
@@ -181,7 +181,7 @@ class RayWorkerHandle:
         """End the actor at once (Ray kills its process); on_exit follows."""
         if self.is_alive():
             self._killed = True
-            self.cluster._ray.kill(self._actor, no_restart=True)
+            self.cluster.ray.kill(self._actor, no_restart=True)
 
     def terminate(self, timeout: float = 10.0) -> int | None:
         """Ask the worker to stop; kill the actor if it has not within `timeout`. Returns its exit code."""
@@ -198,7 +198,7 @@ class RayWorkerHandle:
     # ------------------------------------------------------------ threads
 
     def _run_failed(self) -> bool:
-        ready, _ = self.cluster._ray.wait([self._run_ref], timeout=0)
+        ready, _ = self.cluster.ray.wait([self._run_ref], timeout=0)
         return bool(ready)
 
     def _accept(self) -> multiprocessing.connection.Connection | None:
@@ -230,7 +230,7 @@ class RayWorkerHandle:
         if conn is not None:
             self._conn = conn
             try:
-                self.placement = self.cluster._ray.get(self._where_ref, timeout=30)
+                self.placement = self.cluster.ray.get(self._where_ref, timeout=30)
             except Exception:  # noqa: BLE001 - the actor died at once; the read below ends
                 pass
             self._writer.start()
@@ -248,7 +248,7 @@ class RayWorkerHandle:
         if self._stopping:
             return 0
         try:
-            self.cluster._ray.get(self._run_ref, timeout=5)
+            self.cluster.ray.get(self._run_ref, timeout=5)
         except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
             log.warning("Ray worker %d is gone: %s", self.worker_id, str(e).splitlines()[0] if str(e) else type(e).__name__)
             return EXIT_LOST

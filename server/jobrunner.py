@@ -262,9 +262,7 @@ class JobRunner:
             # as it continues a run after a worker crash.
             state.token_ids.extend(t for t, _ in stored)
             state.text.extend(text for _, text in stored)
-            entry = getattr(state, "entry", None)
-            if entry is not None and hasattr(entry, "generated"):
-                entry.generated = len(stored)
+            state.entry.generated = len(stored)
         return state
 
     async def _read(self, state: RequestState, mailbox: asyncio.Queue, checkpoint: _Checkpoint) -> None:

@@ -59,6 +59,17 @@ class AdmissionControl:
                 return Refuse(e.key, Refusal.DEADLINE, f"cannot produce {what} before the deadline: estimated at {1000 * (done - now):.0f} ms from now, deadline in {1000 * (e.deadline - now):.0f} ms")
         return None
 
+    def predicted_misses(self, model_name: str, now: float) -> int:
+        """Queued requests whose first token is estimated past their deadline (when a slot frees up,
+        given what runs and what queues, plus time to first token). It counts the whole queue as
+        ahead of each, so it errs early: what the autoscaler wants, adding a worker a little soon."""
+        model = self.models.get(model_name)
+        if model is None or not model.workers:
+            return 0
+        return sum(1 for queue in model.queues.values() if queue.with_deadline for e in queue
+                   if e.deadline is not None
+                   and self._estimate_start(e, model, now) + self._service_estimate(model_name, e) > e.deadline)
+
     def _decode_step_estimate(self, model_name: str) -> float:
         model = self.models[model_name]
         if not model.workers:
