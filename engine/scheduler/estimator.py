@@ -30,6 +30,37 @@ def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
     return [a[i][3] / a[i][i] for i in range(3)]
 
 
+def _solve_nonnegative(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Least squares with every coefficient ≥ 0: a coefficient the free solution makes negative is
+    fixed at 0 and the others are solved again (clamping it alone would leave a fit that misses the
+    data: after a long run at one batch size, a + b·24 fitted, b < 0 clamped, a far too high)."""
+    free = [0, 1, 2]
+    for _ in range(3):
+        sub = _solve_sub(m, v, free)
+        if sub is None:
+            return None
+        coef = [0.0, 0.0, 0.0]
+        for i, value in zip(free, sub):
+            coef[i] = value
+        negative = [i for i in free if coef[i] < 0]
+        if not negative:
+            return coef
+        free = [i for i in free if i not in negative]
+        if not free:
+            return [0.0, 0.0, 0.0]
+    return None
+
+
+def _solve_sub(m: list[list[float]], v: list[float], free: list[int]) -> list[float] | None:
+    """Solve the normal equations for the coefficients in `free` (the others are 0)."""
+    n = len(free)
+    sub_m = [[m[i][j] for j in free] + [0.0] * (3 - n) for i in free] + [[0.0] * 3 for _ in range(3 - n)]
+    sub_v = [v[i] for i in free] + [0.0] * (3 - n)
+    for k in range(n, 3):
+        sub_m[k][k] = 1.0  # the fixed ones: 1·x = 0
+    return None if (x := _solve3(sub_m, sub_v)) is None else x[:n]
+
+
 class StepEstimator:
     def __init__(self, prior_s: float, prefill_per_token_prior_s: float = 0.0, *, decay: float = 0.98, ridge: float = 0.01):
         self._decay = decay
@@ -50,9 +81,9 @@ class StepEstimator:
                 self._xtx[i][j] = self._decay * self._xtx[i][j] + x[i] * x[j]
         m = [[self._xtx[i][j] + (self._ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
         v = [self._xty[i] + self._ridge * self._prior[i] for i in range(3)]
-        coef = _solve3(m, v)
+        coef = _solve_nonnegative(m, v)
         if coef is not None:
-            self._coef = [max(c, 0.0) for c in coef]
+            self._coef = coef
 
     @property
     def prefill_per_token_s(self) -> float:
