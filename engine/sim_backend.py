@@ -233,10 +233,17 @@ class SimBackend:
     def _compose(self, running: list[_Seq], budget: int) -> tuple[list[_Seq], int]:
         """The step plan, carried out as the vLLM worker does: while an interactive sequence is in,
         only the first `bulk_decode` bulk sequences run (the rest pause, keeping their KV) and the
-        step computes at most `prefill_tokens` prompt tokens besides one token per sequence."""
+        step computes at most `prefill_tokens` prompt tokens besides one token per sequence; with
+        none in, every sequence runs and at most `guard_prefill_tokens` prompt tokens are computed."""
         self._paused = 0
         plan = self.plan
-        if not plan.limits or not any(s.item.priority == 0 for s in itertools.chain(running, self.waiting)):
+        if not any(s.item.priority == 0 for s in itertools.chain(running, self.waiting)):
+            if plan.guard_prefill_tokens is not None:  # no interactive sequence: only the TTFT guard
+                budget = min(budget, len(running) + plan.guard_prefill_tokens)
+                decoding = [s for s in running if s.computed >= len(s.item.prompt_token_ids)]
+                running = decoding + [s for s in running if s not in decoding]  # decodes before prompt chunks
+            return running, budget
+        if not plan.limits:
             return running, budget
         bulk = [s for s in running if s.item.priority != 0]
         decoding = [s for s in bulk if s.computed >= len(s.item.prompt_token_ids)]

@@ -325,21 +325,33 @@ class Simulation:
 def _step_members(w: SimWorker) -> dict[str, int]:
     """The sequences in the next step, each with the prompt tokens it computes.
 
-    All of them, whole prompts, unless a plan is in force and an interactive one runs. Then, as the
+    All of them, whole prompts, unless a plan is in force. With no interactive one running, every
+    decode and prompt chunks within the TTFT guard's `guard_prefill_tokens`. With one, as the
     vLLM worker does it: interactive sequences all run; the oldest `bulk_decode` bulk sequences
     decode, the others pause with their KV; prompts prefill in chunks within the plan's prefill
     tokens, interactive first.
     """
     seqs = list(w.running.values())
     plan = w.plan
-    if not plan.limits or not any(s.interactive for s in seqs):
+    if not any(s.interactive for s in seqs):
+        if plan.guard_prefill_tokens is None:
+            return {s.run_key: s.prompt_left for s in seqs}
+        members = {s.run_key: 0 for s in seqs if s.prefilled}  # the TTFT guard: every decode, prompts in chunks
+        prefill_left = plan.guard_prefill_tokens
+        for s in (s for s in seqs if not s.prefilled):
+            chunk = min(s.prompt_left, prefill_left)
+            if chunk > 0:
+                members[s.run_key] = chunk
+                prefill_left -= chunk
+        return members
+    if not plan.limits:
         return {s.run_key: s.prompt_left for s in seqs}
     prefill_left = plan.prefill_tokens if plan.prefill_tokens is not None else 1 << 62
     decoding = [s for s in seqs if not s.interactive and s.prefilled]
     members = {s.run_key: 0 for s in seqs if s.interactive and s.prefilled}
     members.update((s.run_key, 0) for s in (decoding if plan.bulk_decode is None else decoding[:plan.bulk_decode]))
     for s in sorted((s for s in seqs if not s.prefilled), key=lambda s: not s.interactive):
-        chunk = s.prompt_left if s.interactive else min(s.prompt_left, prefill_left)
+        chunk = min(s.prompt_left, prefill_left)
         if chunk > 0:
             members[s.run_key] = chunk
             prefill_left -= chunk

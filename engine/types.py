@@ -64,18 +64,22 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How a worker composes its steps while interactive sequences are in it; None means no limit.
+    """How a worker composes its steps; None means no limit.
 
-    Decided by the scheduler (engine/scheduler/composition.py), carried out by the backend: every
-    interactive sequence decodes, at most `bulk_decode` bulk sequences decode (the others pause
-    and keep their KV), and at most `prefill_tokens` prompt tokens are computed, interactive
-    prompts first. With no interactive sequence in the engine the backend ignores the plan, so
-    bulk gets the whole machine the moment interactive traffic ends.
+    Decided by the scheduler (engine/scheduler/composition.py), carried out by the backend. While
+    an interactive sequence is in the engine: every interactive sequence decodes, at most
+    `bulk_decode` bulk sequences decode (the others pause and keep their KV), and at most
+    `prefill_tokens` prompt tokens are computed, interactive prompts first. With none in, the
+    backend decides this itself each step (the plan may lag): every sequence decodes and only
+    `guard_prefill_tokens` caps the prompt tokens of a step (the TTFT guard: a step an interactive
+    arrival may have to wait for stays short), so bulk gets the machine the moment interactive
+    traffic ends.
     """
 
     bulk_decode: int | None = None
     prefill_tokens: int | None = None
     predicted_step_s: float = 0.0  # the scheduler's forecast of a step run to this plan (0: no plan)
+    guard_prefill_tokens: int | None = None  # with no interactive sequence in: prompt tokens per step at most
 
     @property
     def limits(self) -> bool:

@@ -397,7 +397,8 @@ class _SchedulerView:
     It also carries out the step plan (engine/types.py StepPlan): while an interactive request
     (priority 0) is running or waiting, `schedule` sees a running list of the interactive requests
     and only the first `bulk_decode` bulk ones, and a token budget of one per such request plus
-    `prefill_tokens`. The bulk requests left out are put back at the end of the running list
+    `prefill_tokens`; with none, the whole running list and a budget of one per request plus
+    `guard_prefill_tokens` (the TTFT guard), so bulk prompts are computed in chunks. The bulk requests left out are put back at the end of the running list
     afterwards, unscheduled for that step with their KV blocks kept, as vLLM leaves any running
     request its token budget did not reach. (Lowering the token budget alone would not do: vLLM
     schedules its running list in the order requests joined it, before any waiting prompt.)
@@ -452,11 +453,19 @@ class _SchedulerView:
         """Apply the plan to this step: (the bulk requests taken out of the running list, the token budget to restore)."""
         budget = scheduler.max_num_scheduled_tokens
         plan = self.plan
-        if not plan.limits:
-            return [], budget
         running = scheduler.running
         if not any(r.priority == 0 for r in running) and not any(r.priority == 0 for r in scheduler.waiting):
-            return [], budget  # no interactive request: bulk gets the whole machine
+            # No interactive request: every sequence decodes; only the TTFT guard caps prompt tokens.
+            # Decoding requests go first in the running list, which vLLM serves in order until the
+            # budget is spent, so a bulk prompt part-way through its prefill takes only what is left.
+            if plan.guard_prefill_tokens is not None:
+                decoding = [r for r in running if r.num_computed_tokens >= r.num_prompt_tokens]
+                if len(decoding) < len(running):
+                    scheduler.running = decoding + [r for r in running if r.num_computed_tokens < r.num_prompt_tokens]
+                scheduler.max_num_scheduled_tokens = min(budget, len(running) + plan.guard_prefill_tokens)
+            return [], budget
+        if not plan.limits:
+            return [], budget
         interactive = [r for r in running if r.priority == 0]
         bulk = [r for r in running if r.priority != 0]
         decoding = [r for r in bulk if r.num_computed_tokens >= r.num_prompt_tokens]

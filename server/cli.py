@@ -87,7 +87,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="the same target as a multiple of the worker's single-sequence step as it measures it, "
                         "e.g. 2.5 (used when --interactive-itl-target-ms is 0; 0: off) (default %(default)s)")
     p.add_argument("--interactive-ttft-target-ms", type=float, default=0.0,
-                   help="time to first token aimed at for interactive streams (reported; 0: none) (default %(default)s)")
+                   help="time to first token promised to interactive streams: while none runs, a worker's steps "
+                        "compute prompts in chunks small enough that one arriving mid-step still meets it (the "
+                        "TTFT guard); 0: none (default %(default)s)")
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per worker step (batch, paused, prefill, step time) to FILE, for plots")
     p.add_argument("--bulk-floor", type=float, default=_SCHED.bulk_floor, help="share of slots kept for waiting bulk (default %(default)s)")

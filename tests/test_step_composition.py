@@ -167,6 +167,111 @@ def test_the_simulated_worker_pauses_bulk_beyond_the_plan_only_while_an_interact
     assert backend.step().batch_size == 8
 
 
+def test_interactive_arrivals_beyond_what_the_target_allows_wait_instead_of_slowing_every_stream():
+    # 40 at once: a step of all of them (and one bulk sequence) would take 38 + 2·41 = 120 ms, past the 100 ms target
+    reqs = [r for r in _flood() if r.cls == TrafficClass.BULK]
+    reqs += [SimRequest(f"chat-{i}", 3.0, prompt_tokens=64, max_tokens=48) for i in range(40)]
+    sim = _run(TARGET_S, reqs)
+
+    with_interactive = [s for s in sim.workers[0].step_log[WARM_UP_STEPS:] if s.interactive]
+    assert max(s.interactive for s in with_interactive) < 40  # some waited in the queue
+    assert max(s.duration for s in with_interactive) <= TARGET_S  # so no stream's step ran past the target
+    assert all(o.status == "finished" for o in sim.outcomes.values())  # and the ones that waited ran after
+
+
+def test_after_a_long_flood_at_one_batch_size_a_sequence_is_still_not_taken_for_free():
+    # A small model: 2.2 ms alone, 2.1 ms + 0.1 ms per sequence; the target is 1.5 single steps.
+    single, per_seq, target = 0.0022, 0.0001, 1.5 * 0.0022
+    est = StepEstimator(0.05)
+    for _ in range(500):  # only ever 24 sequences: the fit cannot tell a from b, and forgets every other size
+        est.observe(24, 0, single - per_seq + per_seq * 24)
+    assert est.step_s(24) == pytest.approx(single - per_seq + per_seq * 24, rel=0.01)  # what it saw, it predicts
+    plan = compose_step(WorkerLoad(interactive=1, interactive_prefill=0, bulk=24), est, target,
+                        single_step_s=single)  # the single-sequence step, measured earlier and kept
+
+    assert plan.bulk_decode is not None and 1 <= plan.bulk_decode < 24
+    true_step = single - per_seq + per_seq * (1 + plan.bulk_decode)
+    assert true_step <= 0.85 * target + 1e-9
+
+
+# --------------------------------------------------------------------------- the TTFT guard
+
+TTFT_TARGET_S = 0.5
+
+
+def _ttft_run(ttft_target_s: float | None, requests: list[SimRequest]) -> Simulation:
+    """A worker whose prompt steps, unguarded, run far past the TTFT target (4096-token prefill budget)."""
+    config = SchedulerConfig(interactive=ClassConfig(itl_target_s=TARGET_S, ttft_target_s=ttft_target_s), bulk_floor=0.0)
+    spec = worker_spec(0, max_seqs=48, continuous=True, prefill_token_budget=4096)
+    sim = Simulation(config, [(spec, linear_cost(BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S))])
+    sim.run(requests)
+    return sim
+
+
+def _ttfts(sim: Simulation) -> list[float]:
+    return [o.first_token - o.arrival for o in sim.outcomes.values() if o.cls == TrafficClass.INTERACTIVE]
+
+
+def _waves(interactive: int = 14) -> list[SimRequest]:
+    """Bulk in waves of 48 new 256-token prompts; interactive arrivals spread over them once the
+    worker's first steps have taught the scheduler its step-time curve (before that, a prompt's
+    cost is not known, and nothing is capped)."""
+    reqs = [SimRequest(f"bulk-{i}", 0.0, prompt_tokens=256, max_tokens=64, cls=TrafficClass.BULK) for i in range(240)]
+    reqs += [SimRequest(f"chat-{i}", 8.05 + i * 2.93, prompt_tokens=64, max_tokens=8) for i in range(interactive)]
+    return reqs
+
+
+def test_with_a_ttft_target_an_interactive_arrival_never_waits_behind_a_long_prompt_step():
+    guarded, unguarded = _ttft_run(TTFT_TARGET_S, _waves()), _ttft_run(None, _waves())
+
+    assert max(_ttfts(guarded)) <= TTFT_TARGET_S
+    assert max(_ttfts(unguarded)) > 2 * TTFT_TARGET_S  # the same arrivals, behind 4096-token prompt steps
+    quiet = [s for s in guarded.workers[0].step_log if not s.interactive and s.start >= 8.0]
+    assert quiet and all(s.duration <= TTFT_TARGET_S for s in quiet)
+    assert any(s.prefill_tokens and s.batch > 1 for s in quiet)  # bulk prompts ride along the decodes, in chunks
+    assert all(o.status == "finished" for o in guarded.outcomes.values())
+
+
+def test_the_ttft_guard_costs_a_bulk_only_flood_little():
+    bulk_only = [r for r in _waves() if r.cls == TrafficClass.BULK]
+    end = lambda sim: max(o.completed for o in sim.outcomes.values())  # noqa: E731
+
+    assert end(_ttft_run(TTFT_TARGET_S, bulk_only)) <= 1.05 * end(_ttft_run(None, bulk_only))
+
+
+def test_a_lone_interactive_prompt_goes_in_whole_while_one_already_decoding_gets_a_chunk():
+    est = StepEstimator(0.05)
+    for batch in (1, 8, 16, 32, 48):
+        for prefill in (0, 256):
+            for _ in range(20):
+                est.observe(batch, prefill, BASE_S + PER_SEQ_S * batch + PER_PREFILL_TOKEN_S * prefill)
+
+    lone = compose_step(WorkerLoad(interactive=1, interactive_prefill=200, bulk=40, interactive_decoding=0), est, TARGET_S)
+    beside = compose_step(WorkerLoad(interactive=2, interactive_prefill=200, bulk=40, interactive_decoding=1), est, TARGET_S)
+
+    assert lone.prefill_tokens == 200  # no one's next token waits on this step: the whole prompt, first token sooner
+    assert beside.prefill_tokens is not None and beside.prefill_tokens < 200  # a stream is decoding: keep its ITL
+    assert beside.predicted_step_s <= TARGET_S
+    assert lone.bulk_decode == beside.bulk_decode or lone.bulk_decode >= 1
+
+
+def test_the_guard_keeps_room_for_the_prompt_an_interactive_arrival_is_expected_to_bring():
+    est = StepEstimator(0.05)
+    for batch in (1, 8, 16, 32, 48):
+        for prefill in (0, 256):
+            for _ in range(20):
+                est.observe(batch, prefill, BASE_S + PER_SEQ_S * batch + PER_PREFILL_TOKEN_S * prefill)
+    short = compose_step(WorkerLoad(0, 0, 40), est, TARGET_S, ttft_target_s=TTFT_TARGET_S, typical_prompt=32)
+    long = compose_step(WorkerLoad(0, 0, 40), est, TARGET_S, ttft_target_s=TTFT_TARGET_S, typical_prompt=400)
+
+    assert short.guard_prefill_tokens > long.guard_prefill_tokens >= 16
+    assert not short.limits  # nothing paused while no interactive stream runs
+    # the step a newcomer may wait for, plus its own first step, fit in the share of the target
+    own = 0.85 * TARGET_S + PER_PREFILL_TOKEN_S * 32
+    assert est.predict_s(40, short.guard_prefill_tokens) + own <= 0.85 * TTFT_TARGET_S + 1e-6
+    assert compose_step(WorkerLoad(0, 0, 40), est, TARGET_S) == NO_LIMIT  # no TTFT target: no guard
+
+
 @pytest.mark.parametrize("version, setting, enabled", [
     ("0.32.0", None, True),
     ("0.32.0+cpu", None, True),

@@ -4,10 +4,16 @@ While interactive streams run on a worker, each of its steps is one token of the
 time is their inter-token latency (ITL). The rule fills a step, by the worker's fitted step-time
 model (a + b·batch + c·prefill tokens), up to `share × target`, in this order:
   1. every interactive sequence decodes;
-  2. interactive prompts still owed prefill (as much as fits, at least a chunk, so they progress);
+  2. interactive prompts still owed prefill: whole when no interactive stream is decoding yet
+     (no one's ITL is at stake, and their first token comes a step sooner), otherwise as much as
+     fits (at least a chunk, so they progress);
   3. as many bulk sequences decode as fit, never fewer than `min_bulk`, so bulk never starves;
   4. prompt tokens (bulk's new prompts) fill what is left.
-With no interactive stream, or no target, there is no limit: bulk gets the whole machine.
+With no interactive stream there is no ITL to keep, and bulk keeps every sequence decoding. But an
+interactive request may arrive at any moment, and it waits for the step under way before its own
+can start: with a TTFT target, the prompt tokens of such a step are capped (`guard_prefill_tokens`,
+chunked prefill) so that the step under way plus the newcomer's own first step fit in
+`share × TTFT target`. Bulk prompts still get computed, in chunks that ride along decode steps.
 Pure: the worker carries the plan out (engine/types.py StepPlan).
 """
 
@@ -20,7 +26,7 @@ from tokenline.engine.scheduler.estimator import StepEstimator
 from tokenline.engine.types import StepPlan
 
 NO_LIMIT = StepPlan()
-MIN_PREFILL_CHUNK = 16  # an interactive prompt advances at least this much per step, even past the target
+MIN_PREFILL_CHUNK = 16  # a prompt advances at least this much per step, even past the target
 
 
 @dataclass(frozen=True)
@@ -30,25 +36,67 @@ class WorkerLoad:
     interactive: int  # interactive sequences running (decoding, or their prompt still owed)
     interactive_prefill: int  # prompt tokens of those not computed yet
     bulk: int  # bulk sequences decoding (a bulk prompt still owed is prefill, planned in step 4)
+    interactive_decoding: int | None = None  # of `interactive`, those past their prompt (None: all of them)
+
+
+def step_line(estimator: StepEstimator, single_step_s: float | None, batch: int) -> tuple[float, float, float]:
+    """(a, b, c) of a step = a + b·sequences + c·prompt tokens, for planning steps of 1 to `batch` sequences.
+
+    The fitted model forgets: after a long run at one batch size (a bulk flood) it can no longer tell
+    the fixed part from the per-sequence part, and would call a sequence free. The worker's measured
+    single-sequence step is kept apart, so the line through it and the fitted step at `batch` bounds
+    the per-sequence cost from below; the steeper of the two is used (the cautious choice: fewer bulk
+    sequences per step), and either way the step at `batch` is predicted as fitted.
+    """
+    a, b, c = estimator.coefficients
+    if single_step_s is not None and batch > 1:
+        at_batch = a + b * batch
+        through_single = (at_batch - single_step_s) / (batch - 1)
+        if through_single > b:
+            b = through_single
+            a = at_batch - b * batch
+    return a, b, c
 
 
 def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float | None, *,
-                 share: float = 0.85, min_bulk: int = 1) -> StepPlan:
-    """The plan for the worker's next steps, or NO_LIMIT when no interactive stream needs one."""
+                 share: float = 0.85, min_bulk: int = 1, ttft_target_s: float | None = None,
+                 typical_prompt: int = 128, single_step_s: float | None = None) -> StepPlan:
+    """The plan for the worker's next steps (NO_LIMIT when no target asks for one)."""
+    a, b, c = step_line(estimator, single_step_s, load.interactive + load.bulk)
+    guard = _ttft_guard(load, (a, b, c), itl_target_s, ttft_target_s, share, typical_prompt)
     if itl_target_s is None or load.interactive == 0:
-        return NO_LIMIT
-    a, b, c = estimator.coefficients
+        return StepPlan(guard_prefill_tokens=guard) if guard is not None else NO_LIMIT
     room = share * itl_target_s - (a + b * load.interactive)
     interactive_prefill = load.interactive_prefill
-    if c > 0:
+    decoding = load.interactive if load.interactive_decoding is None else load.interactive_decoding
+    whole = decoding == 0  # no interactive stream waits for a next token: its prompts go in whole
+    if c > 0 and not whole:
         interactive_prefill = min(interactive_prefill, max(_fit(room, c), MIN_PREFILL_CHUNK))
-    room -= c * interactive_prefill
+    if not whole:
+        room -= c * interactive_prefill
     bulk = load.bulk if b <= 0 else min(load.bulk, _fit(room, b))
     bulk = max(bulk, min(min_bulk, load.bulk))
     room -= b * bulk
-    prefill = interactive_prefill + _fit(room, c) if c > 0 else None
+    if whole:
+        prefill = interactive_prefill if c > 0 else None  # nothing else: this step is someone's first token
+    else:
+        prefill = interactive_prefill + _fit(room, c) if c > 0 else None
     predicted = a + b * (load.interactive + bulk) + c * (prefill or 0)
-    return StepPlan(bulk_decode=bulk, prefill_tokens=prefill, predicted_step_s=predicted)
+    return StepPlan(bulk_decode=bulk, prefill_tokens=prefill, predicted_step_s=predicted, guard_prefill_tokens=guard)
+
+
+def _ttft_guard(load: WorkerLoad, coef: tuple[float, float, float], itl_target_s: float | None,
+                ttft_target_s: float | None, share: float, typical_prompt: int) -> int | None:
+    """Prompt tokens a step may compute while no interactive stream runs, so that an interactive
+    request arriving during it still gets its first token within `share × TTFT target`: it waits
+    for that step, then its own first step (under the ITL plan: at most `share × ITL target`
+    besides its prompt; without one, a step of everything running plus its prompt)."""
+    a, b, c = coef
+    if ttft_target_s is None or c <= 0:
+        return None
+    own = (share * itl_target_s if itl_target_s is not None else a + b * (load.bulk + 1)) + c * typical_prompt
+    room = share * ttft_target_s - own - (a + b * load.bulk)
+    return max(_fit(room, c), MIN_PREFILL_CHUNK)
 
 
 def _fit(room_s: float, cost_s: float) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget, blocks_for
-from tokenline.engine.scheduler.composition import WorkerLoad, compose_step
+from tokenline.engine.scheduler.composition import WorkerLoad, compose_step, step_line
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.estimator import StepEstimator
 from tokenline.engine.scheduler.queues import ClassQueue
@@ -132,6 +132,8 @@ class Scheduler(AdmissionControl):
         if entry.deadline is not None:
             heapq.heappush(self._deadlines, (entry.deadline, entry.key))
         self._enqueue(entry, now)
+        if entry.cls == TrafficClass.INTERACTIVE:
+            self.models[entry.model].saw_interactive_prompt(entry.prompt_tokens)
         return self._dispatch(entry.model, now)  # one clock reading: admitted at once means zero wait
 
     def cancel(self, key: str) -> list[Action]:
@@ -315,11 +317,15 @@ class Scheduler(AdmissionControl):
             interactive = [e for e in w.running.values() if e.cls == TrafficClass.INTERACTIVE]
             load = WorkerLoad(interactive=len(interactive),
                               interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
-                              bulk=sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled))
+                              bulk=sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled),
+                              interactive_decoding=sum(1 for e in interactive if e.prefilled))
             single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
             plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
-                                share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode)
-            if (plan.bulk_decode, plan.prefill_tokens) != (w.plan.bulk_decode, w.plan.prefill_tokens):
+                                share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode,
+                                ttft_target_s=self.config.interactive.ttft_target_s,
+                                typical_prompt=round(model.interactive_prompt_tokens), single_step_s=w.single_step_s)
+            if (plan.bulk_decode, plan.prefill_tokens, plan.guard_prefill_tokens) != \
+                    (w.plan.bulk_decode, w.plan.prefill_tokens, w.plan.guard_prefill_tokens):
                 actions.append(Compose(wid, plan))
             w.plan = plan
         return actions
@@ -347,8 +353,29 @@ class Scheduler(AdmissionControl):
         reserve = self._bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else 0
         if budget.slots - 1 < reserve or not budget.fits(e):
             return False
+        if e.cls == TrafficClass.INTERACTIVE and not self._keeps_itl_target(e, w):
+            return False
         # One more sequence must not slow running requests past their deadlines.
         return self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
+
+    def _keeps_itl_target(self, e: Entry, w: WorkerView) -> bool:
+        """Can the worker's steps still be composed within the ITL target with `e` decoding too?
+
+        Interactive streams, unlike bulk, cannot be paused: past some number of them even a step of
+        only them (and the one bulk sequence that never starves) is slower than the target, and every
+        stream on the worker would miss it. Beyond that, a newcomer waits in the queue for one to
+        end (its TTFT pays, not the running streams' ITL); the first is always let in."""
+        interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]  # this round's admissions too
+        if not interactive:
+            return True
+        single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
+        target = self._itl_target(interactive + [e], single)
+        if target is None:
+            return True
+        has_bulk = any(x.cls == TrafficClass.BULK for x in w.running.values())
+        a, b, _ = step_line(w.cadence, w.single_step_s, len(w.running))
+        step = a + b * (len(interactive) + 1 + (self.config.min_bulk_decode if has_bulk else 0))
+        return step <= self.config.itl_target_share * target
 
     def _first_token_at(self, e: Entry, w: WorkerView, now: float) -> tuple[float, int, int]:
         """When `e` would get its first token on `w`: its next step's start, then a step with `e` in it.
@@ -440,8 +467,8 @@ class Scheduler(AdmissionControl):
             return []
         for wid in model.workers:
             w = self.workers[wid]
-            if not w.spec.continuous:
-                continue
+            if not w.spec.continuous or not self._keeps_itl_target(head, w):
+                continue  # preempting bulk would not let it in
             floor = math.floor(w.spec.max_seqs * self.config.bulk_floor)
             bulk = sorted((e for e in w.running.values() if e.cls == TrafficClass.BULK), key=lambda e: e.arrival)
             # Newest first; a run preempted too often keeps its place, so bulk always progresses.

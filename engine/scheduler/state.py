@@ -48,3 +48,9 @@ class ModelState:
     no_capacity_total: float = 0.0
     no_capacity_since: float | None = None
     drained: deque = field(default_factory=deque)  # (time, tokens) of finished requests
+    # Prompt tokens an interactive arrival is expected to bring (moving average of those seen;
+    # the prior until one has come): what the TTFT guard keeps room for.
+    interactive_prompt_tokens: float = 128.0
+
+    def saw_interactive_prompt(self, tokens: int) -> None:
+        self.interactive_prompt_tokens += 0.2 * (tokens - self.interactive_prompt_tokens)
