@@ -152,8 +152,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     mix.add_argument("--interactive-input-len", type=int, default=64, help="interactive prompt tokens (default %(default)s)")
     mix.add_argument("--interactive-output-len", type=int, default=64, help="interactive output tokens (default %(default)s)")
     mix.add_argument("--duration-s", type=float, default=60.0, help="length of the bulk-alone and mixed runs (default %(default)s)")
-    mix.add_argument("--itl-target-steps", type=float, default=2.5,
-                     help="interactive ITL target in single-sequence steps, for tokenline and the report (default %(default)s)")
+    mix.add_argument("--itl-target-steps", type=float, nargs="+", default=[2.0, 2.5, 3.0],
+                     help="interactive ITL targets, in single-sequence ITLs: one tokenline run each, and the report "
+                          "(default 2 2.5 3)")
     mix.add_argument("--ttft-target-ms", type=float, default=500.0, help="interactive TTFT target (default %(default)s)")
     mix.add_argument("--skip", default="", help="'vllm' or 'tokenline': leave that server out")
     mix.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")

@@ -244,7 +244,7 @@ def cmd_mixed(args: argparse.Namespace) -> int:
                      bulk_concurrency=args.bulk_concurrency, bulk_lengths=(args.bulk_input_len, args.bulk_output_len),
                      interactive_rate=args.interactive_rate,
                      interactive_lengths=(args.interactive_input_len, args.interactive_output_len),
-                     duration_s=args.duration_s, itl_target_steps=args.itl_target_steps, ttft_target_ms=args.ttft_target_ms,
+                     duration_s=args.duration_s, itl_target_steps=tuple(args.itl_target_steps), ttft_target_ms=args.ttft_target_ms,
                      servers=tuple(k for k in ("tokenline", "vllm") if k not in skip),
                      tokenline_engine=args.tokenline_engine, seed=args.seed)
     folder = out_dir(args, "mixed")

@@ -81,7 +81,9 @@ class CompareSpec:
     def concurrency1(self, target: str) -> BenchSpec:
         stream = StreamSpec("c1", concurrency=1, input_len=LengthDist("fixed", self.input_len),
                             output_len=LengthDist("fixed", self.c1_output_len))
-        return self._spec(target, (stream,), num_requests=self.c1_requests)
+        # Its own seed: the saturation run's first prompts would otherwise come back, and every
+        # engine here caches prompt prefixes, so TTFT would be measured on a cache hit.
+        return self._spec(target, (stream,), num_requests=self.c1_requests, seed=self.seed + 1)
 
     def mixed(self, target: str, output_tok_s: float, slo: Slo) -> BenchSpec:
         (i_in, i_out), (b_in, b_out) = self.interactive_lengths, self.bulk_lengths
@@ -93,8 +95,8 @@ class CompareSpec:
         return self._spec(target, (interactive, bulk), duration_s=self.mixed_duration_s)
 
     def _spec(self, target: str, streams: tuple[StreamSpec, ...], *, num_requests: int | None = None,
-              duration_s: float | None = None) -> BenchSpec:
-        return BenchSpec(target=target, streams=streams, seed=self.seed, num_requests=num_requests,
+              duration_s: float | None = None, seed: int | None = None) -> BenchSpec:
+        return BenchSpec(target=target, streams=streams, seed=self.seed if seed is None else seed, num_requests=num_requests,
                          duration_s=duration_s, tokenizer=self.settings.model, openai_priority=True,
                          max_lag_ms=1000.0)
 

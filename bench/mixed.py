@@ -1,16 +1,21 @@
 """`bench mixed`: interactive streams inside a bulk flood: do they keep their targets, and what does bulk keep?
 
-Each server (tokenline, then `vllm serve`) is started here and runs, one after the other:
-1. bulk alone: a closed loop of `bulk_concurrency` streams (the bulk-only throughput);
-2. interactive alone: one stream at a time (its single-sequence ITL, which sets the target);
-3. the mix: the same bulk loop plus Poisson interactive arrivals.
-Reported: interactive attainment of TTFT ≤ target, of ITL ≤ target, of both; bulk throughput in the mix
-over bulk alone; and, for tokenline, the most bulk throughput any schedule could give under the ITL
-target: from the step-time curve measured in run 1 (step = a + b·batch, least squares on the step periods in
-tokenline's step log) and the share of time each number of interactive streams ran in run 3, bulk can decode at
-most k(n) = ⌊(T − a)/b⌋ − n sequences per step while n interactive streams run (each such step is at
-least a + b·(n + k)), and its whole batch while none do. The plot shows per-step batch size and step
-time over the mixed run with interactive arrivals marked.
+tokenline runs first with no target, for the references:
+1. bulk alone: a closed loop of `bulk_concurrency` streams (bulk-only throughput, and the step-period
+   curve from its step log);
+2. interactive alone: one stream at a time (its single-sequence ITL, which sets the targets).
+Then, for each ITL target T (`itl_target_steps` × that ITL), a fresh tokenline with `--interactive-itl-target-ms T`
+and `--interactive-ttft-target-ms`:
+3. bulk alone again (what the targets cost bulk when no interactive stream comes: ÷ run 1);
+4. the mix: the same bulk loop plus Poisson interactive arrivals.
+`vllm serve` runs 1, 2 and 4 once; its mix is scored against each T (in its own single-sequence ITLs).
+Reported per server and T: interactive attainment of TTFT ≤ target, of ITL ≤ T, of both; bulk in the mix over
+bulk alone; and, for tokenline, the most bulk throughput any schedule could give under T: from the step-time
+curve of run 1 (step = a + b·batch, least squares on the step periods in tokenline's step log) and the share
+of time each number of interactive streams ran in run 4, bulk can decode at most k(n) = ⌊(T − a)/b⌋ − n
+sequences per step while n interactive streams run (each such step is at least a + b·(n + k)), and its whole
+batch while none do. The plot shows per-step batch size and step time over each mixed run with interactive
+arrivals marked.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ class MixedSpec:
     interactive_rate: float = 1.0  # arrivals per second
     interactive_lengths: tuple[int, int] = (64, 64)
     duration_s: float = 60.0
-    itl_target_steps: float = 2.5  # the ITL target, in single-sequence steps (tokenline's and the report's)
+    itl_target_steps: tuple[float, ...] = (2.0, 2.5, 3.0)  # ITL targets, in single-sequence ITLs
     ttft_target_ms: float = 500.0
     servers: tuple[str, ...] = ("tokenline", "vllm")
     tokenline_engine: str = "vllm"
@@ -61,13 +66,63 @@ class MixedSpec:
 
 async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:  # noqa: ANN001
     out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"spec": jsonable({**spec.__dict__, "settings": spec.settings.__dict__}), "servers": {}}
-    for kind in spec.servers:
-        step_log = out_dir / kind / "steps.jsonl"
-        step_log.parent.mkdir(parents=True, exist_ok=True)
-        step_log.unlink(missing_ok=True)
-        with _start(kind, spec, out_dir, step_log) as server:
-            report["servers"][kind] = await _measure(kind, server, spec, out_dir / kind, step_log, log)
+    report: dict[str, Any] = {"spec": jsonable({**spec.__dict__, "settings": spec.settings.__dict__}), "servers": {}, "runs": []}
+
+    async def run(label: str, out: Path, bench: BenchSpec) -> Outcome:
+        log(f"-- {label}")
+        outcome = await run_once(bench, label=label)
+        write_outputs(outcome, out, summary=format_results(outcome.results, title=label))
+        return outcome
+
+    async def references(kind: str, server: ServerProcess, out: Path) -> tuple[Outcome, float]:
+        bulk_alone = await run(f"{kind} · bulk alone", out / "bulk-alone", spec.bench(server.address, spec.bulk()))
+        solo = await run(f"{kind} · interactive alone", out / "interactive-alone",
+                         spec.bench(server.address, replace(spec.interactive(Slo()), arrival=None, concurrency=1), num_requests=5))
+        return bulk_alone, statistics.median(r.tpot * 1000 for r in solo.run.records if r.status == OK and r.tpot)
+
+    if "tokenline" in spec.servers:
+        base = out_dir / "tokenline" / "no-target"
+        step_log = _fresh(base / "steps.jsonl")
+        with _start_tokenline(spec, out_dir, "no-target", step_log) as server:
+            bulk_alone, solo_itl_ms = await references("tokenline, no target", server, base)
+        alone_tok_s = bulk_alone.results["classes"]["bulk"]["output_throughput"]
+        curve = fit_step_curve(_read_steps(step_log))
+        report["servers"]["tokenline"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s,
+                                          "step_curve_ms": {"a": curve[0] * 1000, "b": curve[1] * 1000}}
+        for steps in spec.itl_target_steps:
+            slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=steps * solo_itl_ms)
+            out = out_dir / "tokenline" / f"itl-{steps:g}x"
+            step_log = _fresh(out / "steps.jsonl")
+            with _start_tokenline(spec, out_dir, f"itl-{steps:g}x", step_log, slo) as server:
+                unused = await run(f"tokenline, ITL target {slo.itl_ms:.1f} ms · bulk alone", out / "bulk-alone",
+                                   spec.bench(server.address, spec.bulk()))
+                mix_start = _log_len(step_log)
+                mix = await run(f"tokenline, ITL target {slo.itl_ms:.1f} ms · mixed", out / "mixed",
+                                spec.bench(server.address, spec.bulk(), spec.interactive(slo)))
+            result = _scored("tokenline", steps, slo, mix, alone_tok_s)
+            result["bulk_alone_targeted_tok_s"] = unused.results["classes"]["bulk"]["output_throughput"]
+            result["unused_target_cost"] = result["bulk_alone_targeted_tok_s"] / alone_tok_s
+            mixed_steps = _read_steps(step_log)[mix_start:]
+            bound = bulk_bound(curve, mixed_steps, spec.bulk_concurrency, slo.itl_ms / 1000, mix.run.started_unix, alone_tok_s)
+            result.update(bound)
+            if bound.get("bound_tok_s"):
+                result["bulk_mixed_over_bound"] = result["bulk_mixed_tok_s"] / bound["bound_tok_s"]
+            if mixed_steps:
+                _plot(mixed_steps, mix, out / "steps.png", slo)
+            report["runs"].append(result)
+
+    if "vllm" in spec.servers:
+        out = out_dir / "vllm"
+        with start_vllm(spec.settings, out_dir / "logs" / "vllm.log") as server:
+            bulk_alone, solo_itl_ms = await references("vllm serve", server, out)
+            slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=spec.itl_target_steps[0] * solo_itl_ms)
+            mix = await run("vllm serve · mixed", out / "mixed", spec.bench(server.address, spec.bulk(), spec.interactive(slo)))
+        alone_tok_s = bulk_alone.results["classes"]["bulk"]["output_throughput"]
+        report["servers"]["vllm"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s}
+        for steps in spec.itl_target_steps:
+            report["runs"].append(_scored("vllm", steps, Slo(ttft_ms=spec.ttft_target_ms, itl_ms=steps * solo_itl_ms),
+                                          mix, alone_tok_s))
+
     text = format_mixed(report)
     (out_dir / "mixed.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
     (out_dir / "mixed.txt").write_text(text + "\n")
@@ -75,36 +130,10 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
     return report
 
 
-async def _measure(kind: str, server: ServerProcess, spec: MixedSpec, out: Path, step_log: Path, log: Any) -> dict[str, Any]:
-    async def run(name: str, bench: BenchSpec) -> Outcome:
-        log(f"-- {kind}: {name}")
-        outcome = await run_once(bench, label=f"{kind} {name}")
-        write_outputs(outcome, out / name, summary=format_results(outcome.results, title=f"{kind} · {name}"))
-        return outcome
-
-    bulk_alone = await run("bulk-alone", spec.bench(server.address, spec.bulk()))
-    curve_end = _log_len(step_log)
-    solo = await run("interactive-alone", spec.bench(server.address, replace(spec.interactive(Slo()), arrival=None, concurrency=1),
-                                                      num_requests=5))
-    solo_itl_ms = statistics.median(r.tpot * 1000 for r in solo.run.records if r.status == OK and r.tpot)
-    slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=spec.itl_target_steps * solo_itl_ms)
-    mix_start = _log_len(step_log)
-    mix = await run("mixed", spec.bench(server.address, spec.bulk(), spec.interactive(slo)))
-    result = {"solo_itl_ms": solo_itl_ms, "slo": slo.as_dict(),
-              "bulk_alone_tok_s": bulk_alone.results["classes"]["bulk"]["output_throughput"],
-              "bulk_mixed_tok_s": mix.results["classes"]["bulk"]["output_throughput"],
-              **attainment(mix, slo)}
-    result["bulk_mixed_over_alone"] = result["bulk_mixed_tok_s"] / result["bulk_alone_tok_s"]
-    steps = _read_steps(step_log)
-    if steps:
-        curve = fit_step_curve(steps[:curve_end])
-        bound = bulk_bound(curve, steps[mix_start:], spec.bulk_concurrency, slo.itl_ms / 1000, mix.run.started_unix,
-                           result["bulk_alone_tok_s"])
-        result.update(step_curve_ms={"a": curve[0] * 1000, "b": curve[1] * 1000}, **bound)
-        if bound.get("bound_tok_s"):
-            result["bulk_mixed_over_bound"] = result["bulk_mixed_tok_s"] / bound["bound_tok_s"]
-        _plot(steps[mix_start:], mix, out / "steps.png", slo)
-    return result
+def _scored(kind: str, steps: float, slo: Slo, mix: Outcome, bulk_alone_tok_s: float) -> dict[str, Any]:
+    bulk = mix.results["classes"]["bulk"]["output_throughput"]
+    return {"server": kind, "itl_target_steps": steps, "slo": slo.as_dict(), "bulk_mixed_tok_s": bulk,
+            "bulk_mixed_over_alone": bulk / bulk_alone_tok_s if bulk_alone_tok_s else None, **attainment(mix, slo)}
 
 
 def attainment(outcome: Outcome, slo: Slo) -> dict[str, Any]:
@@ -164,35 +193,41 @@ def format_mixed(report: dict[str, Any]) -> str:
     from tokenline.bench.report import fmt, table
 
     servers = report["servers"]
-    kinds = list(servers)
+    lines = []
+    refs = [(k, v) for k, v in servers.items()]
+    if refs:
+        lines.append(table(("no target", *(("vllm serve" if k == "vllm" else k) for k, _ in refs)),
+                           [("interactive alone: ITL p50 ms", *(fmt(v.get("solo_itl_ms"), ".1f") for _, v in refs)),
+                            ("bulk alone: output tok/s", *(fmt(v.get("bulk_alone_tok_s"), ",.0f") for _, v in refs))]))
     rows = []
-    for key, label, spec in (("solo_itl_ms", "interactive alone: ITL p50 ms", ".1f"),
-                             ("attain_ttft", "mixed: interactive attainment, TTFT", ".3f"),
-                             ("attain_itl", "mixed: interactive attainment, ITL", ".3f"),
-                             ("attain_both", "mixed: interactive attainment, both", ".3f"),
-                             ("interactive_itl_p50_ms", "mixed: interactive ITL p50 ms", ".1f"),
-                             ("interactive_itl_p99_ms", "mixed: interactive ITL p99 ms", ".1f"),
-                             ("bulk_alone_tok_s", "bulk alone: output tok/s", ",.0f"),
-                             ("bulk_mixed_tok_s", "mixed: bulk output tok/s", ",.0f"),
-                             ("bulk_mixed_over_alone", "mixed bulk ÷ bulk alone", ".2f"),
-                             ("bound_tok_s", "bound on bulk under the ITL target, tok/s", ",.0f"),
-                             ("bulk_mixed_over_bound", "mixed bulk ÷ that bound", ".2f")):
-        rows.append((label, *(fmt(servers[k].get(key), spec) for k in kinds)))
-    lines = [table(("", *(k if k != "vllm" else "vllm serve" for k in kinds)), rows)]
-    for k in kinds:
-        slo = servers[k].get("slo", {})
-        lines.append(f"{k}: targets TTFT ≤ {slo.get('ttft_ms', math.nan):.0f} ms, ITL ≤ {slo.get('itl_ms', math.nan):.1f} ms "
-                     f"({report['spec']['itl_target_steps']} × its own interactive-alone ITL)")
-    return "\n".join(lines)
+    for r in report["runs"]:
+        rows.append(("vllm serve" if r["server"] == "vllm" else r["server"],
+                     f"{r['itl_target_steps']:g}× = {r['slo'].get('itl_ms', math.nan):.1f} ms",
+                     fmt(r.get("attain_ttft"), ".3f"), fmt(r.get("attain_itl"), ".3f"), fmt(r.get("attain_both"), ".3f"),
+                     f"{fmt(r.get('interactive_itl_p50_ms'), '.1f')} / {fmt(r.get('interactive_itl_p99_ms'), '.1f')}",
+                     fmt(r.get("bulk_mixed_tok_s"), ",.0f"), fmt(r.get("bulk_mixed_over_alone"), ".2f"),
+                     fmt(r.get("bound_tok_s"), ",.0f"), fmt(r.get("bulk_mixed_over_bound"), ".2f"),
+                     fmt(r.get("unused_target_cost"), ".2f")))
+    if rows:
+        ttft = report["spec"]["ttft_target_ms"]
+        lines.append(table(("server", "ITL target T", f"TTFT ≤ {ttft:g} ms", "ITL ≤ T", "both", "interactive ITL p50 / p99 ms",
+                            "bulk tok/s in the mix", "÷ bulk alone", "bound under T", "÷ bound",
+                            "bulk alone with targets ÷ without"), rows))
+        lines.append("attainment: share of interactive requests in the mix meeting the target (per-request mean ITL); "
+                     "T is a multiple of each server's own interactive-alone ITL")
+    return "\n\n".join(lines)
 
 
-def _start(kind: str, spec: MixedSpec, out_dir: Path, step_log: Path) -> ServerProcess:
-    log_path = out_dir / "logs" / f"{kind}.log"
-    if kind == "tokenline":
-        return start_tokenline(spec.settings, log_path, engine=spec.tokenline_engine,
-                               extra_args=("--workers", "1", "--interactive-itl-target-steps", str(spec.itl_target_steps),
-                                           "--interactive-ttft-target-ms", str(spec.ttft_target_ms), "--step-log", str(step_log)))
-    return start_vllm(spec.settings, log_path)
+def _start_tokenline(spec: MixedSpec, out_dir: Path, name: str, step_log: Path, slo: Slo | None = None) -> ServerProcess:
+    targets = ("--interactive-itl-target-ms", f"{slo.itl_ms:.3f}", "--interactive-ttft-target-ms", f"{slo.ttft_ms:g}") if slo else ()
+    return start_tokenline(spec.settings, out_dir / "logs" / f"tokenline-{name}.log", engine=spec.tokenline_engine,
+                           extra_args=("--workers", "1", *targets, "--step-log", str(step_log)))
+
+
+def _fresh(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    return path
 
 
 def _log_len(path: Path) -> int:

@@ -30,3 +30,13 @@ def test_both_ratios_are_reported():
 
 def test_without_the_best_engine_run_there_is_no_such_ratio():
     assert "tokenline_throughput_over_box_best" not in ratios(None, {"tokenline/saturation": outcome(1.0)})
+
+
+def test_the_concurrency_1_prompts_are_not_the_saturation_runs_so_ttft_is_never_a_prefix_cache_hit():
+    from tokenline.bench.compare import CompareSpec, ceiling_requests
+    from tokenline.bench.servers import EngineSettings
+
+    reqs = ceiling_requests(CompareSpec(settings=EngineSettings(model="tiny"), requests=8, c1_requests=8))
+
+    seen = {tuple(r["prompt_ids"][:32]) for r in reqs["throughput"]}
+    assert not any(tuple(r["prompt_ids"][:32]) in seen for r in reqs["sequential"])

@@ -26,3 +26,30 @@ def test_the_bound_is_bulk_alone_without_interactive_and_what_fits_the_target_wi
     # 2 interactive streams and a 30 ms target: at most (30 − 10)/2 − 2 = 8 bulk sequences per 30 ms step
     mixed = bulk_bound(curve, _log([10] * 10, interactive=2), 48, 0.030, 0.0, bulk_alone_tok_s=400.0)
     assert mixed["bound_tok_s"] == pytest.approx(8 / 0.030)
+
+
+def test_a_short_mixed_run_reports_every_target_beside_the_references(tmp_path):
+    """The bench end to end, short: tokenline on the simulated engine (tiny model), no target, then one ITL target."""
+    import json
+
+    from tokenline.server.cli import main
+
+    code = main(["bench", "mixed", "--model", "tiny", "--tokenline-engine", "sim", "--skip", "vllm", "--out", str(tmp_path),
+                 "--duration-s", "3", "--bulk-concurrency", "6", "--max-seqs", "8", "--bulk-input-len", "64",
+                 "--bulk-output-len", "32", "--interactive-rate", "2", "--interactive-input-len", "16",
+                 "--interactive-output-len", "8", "--itl-target-steps", "3"])
+
+    assert code == 0
+    report = json.loads((tmp_path / "mixed.json").read_text())
+    reference = report["servers"]["tokenline"]
+    assert reference["bulk_alone_tok_s"] > 0 and reference["solo_itl_ms"] > 0
+    (run,) = report["runs"]
+    assert run["itl_target_steps"] == 3 and run["slo"]["itl_ms"] == pytest.approx(3 * reference["solo_itl_ms"])
+    assert run["interactive_requests"] > 0
+    for key in ("attain_ttft", "attain_itl", "attain_both"):
+        assert 0.0 <= run[key] <= 1.0
+    assert run["bulk_mixed_tok_s"] > 0 and run["bulk_alone_targeted_tok_s"] > 0
+    assert run["unused_target_cost"] == pytest.approx(run["bulk_alone_targeted_tok_s"] / reference["bulk_alone_tok_s"])
+    assert (tmp_path / "tokenline" / "itl-3x" / "steps.png").stat().st_size > 0
+    text = (tmp_path / "mixed.txt").read_text()
+    assert "bulk alone with targets ÷ without" in text and "3× = " in text
