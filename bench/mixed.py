@@ -85,7 +85,7 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
         step_log = _fresh(base / "steps.jsonl")
         with _start_tokenline(spec, out_dir, "no-target", step_log) as server:
             bulk_alone, solo_itl_ms = await references("tokenline, no target", server, base)
-        alone_tok_s = bulk_alone.results["classes"]["bulk"]["output_throughput"]
+        alone_tok_s = steady_tok_s(bulk_alone, "bulk", spec.duration_s)
         curve = fit_step_curve(_read_steps(step_log))
         report["servers"]["tokenline"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s,
                                           "step_curve_ms": {"a": curve[0] * 1000, "b": curve[1] * 1000}}
@@ -99,11 +99,13 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
                 mix_start = _log_len(step_log)
                 mix = await run(f"tokenline, ITL target {slo.itl_ms:.1f} ms · mixed", out / "mixed",
                                 spec.bench(server.address, spec.bulk(), spec.interactive(slo)))
-            result = _scored("tokenline", steps, slo, mix, alone_tok_s)
-            result["bulk_alone_targeted_tok_s"] = unused.results["classes"]["bulk"]["output_throughput"]
+            result = _scored("tokenline", steps, slo, mix, alone_tok_s, spec.duration_s)
+            result["bulk_alone_targeted_tok_s"] = steady_tok_s(unused, "bulk", spec.duration_s)
             result["unused_target_cost"] = result["bulk_alone_targeted_tok_s"] / alone_tok_s
             mixed_steps = _read_steps(step_log)[mix_start:]
-            bound = bulk_bound(curve, mixed_steps, spec.bulk_concurrency, slo.itl_ms / 1000, mix.run.started_unix, alone_tok_s)
+            t0 = mix.run.started_unix
+            bound = bulk_bound(curve, [x for x in mixed_steps if x.get("unix", t0) < t0 + spec.duration_s],
+                               spec.bulk_concurrency, slo.itl_ms / 1000, t0 + spec.duration_s / 6, alone_tok_s)
             result.update(bound)
             if bound.get("bound_tok_s"):
                 result["bulk_mixed_over_bound"] = result["bulk_mixed_tok_s"] / bound["bound_tok_s"]
@@ -117,11 +119,11 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
             bulk_alone, solo_itl_ms = await references("vllm serve", server, out)
             slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=spec.itl_target_steps[0] * solo_itl_ms)
             mix = await run("vllm serve · mixed", out / "mixed", spec.bench(server.address, spec.bulk(), spec.interactive(slo)))
-        alone_tok_s = bulk_alone.results["classes"]["bulk"]["output_throughput"]
+        alone_tok_s = steady_tok_s(bulk_alone, "bulk", spec.duration_s)
         report["servers"]["vllm"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s}
         for steps in spec.itl_target_steps:
             report["runs"].append(_scored("vllm", steps, Slo(ttft_ms=spec.ttft_target_ms, itl_ms=steps * solo_itl_ms),
-                                          mix, alone_tok_s))
+                                          mix, alone_tok_s, spec.duration_s))
 
     text = format_mixed(report)
     (out_dir / "mixed.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
@@ -130,8 +132,18 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
     return report
 
 
-def _scored(kind: str, steps: float, slo: Slo, mix: Outcome, bulk_alone_tok_s: float) -> dict[str, Any]:
-    bulk = mix.results["classes"]["bulk"]["output_throughput"]
+def steady_tok_s(outcome: Outcome, cls: str, duration_s: float) -> float:
+    """Output tokens per second of class `cls` while its closed loop ran whole: from a sixth of the
+    run (the first wave of prompts is in) to its end, before the drain, whose ever fewer streams
+    would make the figure depend on how the last requests happen to end."""
+    start = duration_s / 6
+    tokens = sum(n for r in outcome.run.records if r.traffic_class == cls
+                 for t, n in zip(r.chunk_times, r.chunk_tokens) if start <= t < duration_s)
+    return tokens / (duration_s - start)
+
+
+def _scored(kind: str, steps: float, slo: Slo, mix: Outcome, bulk_alone_tok_s: float, duration_s: float) -> dict[str, Any]:
+    bulk = steady_tok_s(mix, "bulk", duration_s)
     return {"server": kind, "itl_target_steps": steps, "slo": slo.as_dict(), "bulk_mixed_tok_s": bulk,
             "bulk_mixed_over_alone": bulk / bulk_alone_tok_s if bulk_alone_tok_s else None, **attainment(mix, slo)}
 
