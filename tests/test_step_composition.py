@@ -250,9 +250,9 @@ def test_a_lone_interactive_prompt_goes_in_whole_while_one_already_decoding_gets
     beside = compose_step(WorkerLoad(interactive=2, interactive_prefill=200, bulk=40, interactive_decoding=1), est, TARGET_S)
 
     assert lone.prefill_tokens == 200  # no one's next token waits on this step: the whole prompt, first token sooner
+    assert lone.bulk_decode == 1  # beside only the bulk sequence that never starves: the shortest such step
     assert beside.prefill_tokens is not None and beside.prefill_tokens < 200  # a stream is decoding: keep its ITL
     assert beside.predicted_step_s <= TARGET_S
-    assert lone.bulk_decode == beside.bulk_decode or lone.bulk_decode >= 1
 
 
 def test_the_guard_keeps_room_for_the_prompt_an_interactive_arrival_is_expected_to_bring():
@@ -266,9 +266,13 @@ def test_the_guard_keeps_room_for_the_prompt_an_interactive_arrival_is_expected_
 
     assert short.guard_prefill_tokens > long.guard_prefill_tokens >= 16
     assert not short.limits  # nothing paused while no interactive stream runs
-    # the step a newcomer may wait for, plus its own first step, fit in the share of the target
-    own = 0.85 * TARGET_S + PER_PREFILL_TOKEN_S * 32
+    # the step a newcomer may wait for, plus its own first step (its prompt beside one bulk sequence),
+    # fit in the share of the target
+    own = est.predict_s(2, 32)
     assert est.predict_s(40, short.guard_prefill_tokens) + own <= 0.85 * TTFT_TARGET_S + 1e-6
+    lone = compose_step(WorkerLoad(interactive=1, interactive_prefill=32, bulk=40, interactive_decoding=0), est, TARGET_S,
+                        ttft_target_s=TTFT_TARGET_S, typical_prompt=32)
+    assert (lone.bulk_decode, lone.prefill_tokens) == (1, 32)  # and that is the step it gets
     assert compose_step(WorkerLoad(0, 0, 40), est, TARGET_S) == NO_LIMIT  # no TTFT target: no guard
 
 
@@ -288,3 +292,26 @@ def test_step_plans_are_carried_out_only_on_a_vllm_whose_scheduler_was_checked(v
     assert version in why or setting == "off"
     if not on and setting is None:
         assert "TOKENLINE_STEP_PLANS=on" in why  # the message says how to turn them on
+
+
+# --------------------------------------------------------------------------- the prompt cost floor
+
+def test_a_prompt_cost_the_fit_has_forgotten_is_still_planned_by_the_cost_measured_on_prompt_steps():
+    # Hours of decode-only steps: the fit's per-prompt-token cost fades towards nothing, and a chunk
+    # planned by it alone would be a whole prompt, many times the ITL target.
+    est = StepEstimator(0.05)
+    for _ in range(500):
+        est.observe(24, 0, BASE_S + PER_SEQ_S * 24)
+    load = WorkerLoad(interactive=2, interactive_prefill=512, bulk=24, interactive_decoding=1)
+    forgetful = compose_step(load, est, TARGET_S, single_step_s=SOLO_STEP_S)
+    floored = compose_step(load, est, TARGET_S, single_step_s=SOLO_STEP_S, prefill_token_s=PER_PREFILL_TOKEN_S)
+
+    assert forgetful.prefill_tokens is None or forgetful.prefill_tokens > floored.prefill_tokens
+    assert floored.prefill_tokens is not None and floored.prefill_tokens >= 16  # the prompt still advances
+    true_step = BASE_S + PER_SEQ_S * (2 + floored.bulk_decode) + PER_PREFILL_TOKEN_S * floored.prefill_tokens
+    assert true_step <= 0.85 * TARGET_S + PER_PREFILL_TOKEN_S * 16 + 1e-9  # within the target but for the minimum chunk
+
+
+def test_the_scheduler_measures_a_workers_prompt_cost_from_its_prompt_steps(composed):
+    worker = composed.scheduler.workers[0]
+    assert worker.prefill_token_s == pytest.approx(PER_PREFILL_TOKEN_S, rel=0.35)

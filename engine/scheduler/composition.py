@@ -4,9 +4,9 @@ While interactive streams run on a worker, each of its steps is one token of the
 time is their inter-token latency (ITL). The rule fills a step, by the worker's fitted step-time
 model (a + b·batch + c·prefill tokens), up to `share × target`, in this order:
   1. every interactive sequence decodes;
-  2. interactive prompts still owed prefill: whole when no interactive stream is decoding yet
-     (no one's ITL is at stake, and their first token comes a step sooner), otherwise as much as
-     fits (at least a chunk, so they progress);
+  2. interactive prompts still owed prefill: whole, beside only `min_bulk` bulk sequences, when no
+     interactive stream is decoding yet (no one's ITL is at stake, and the step that gives their
+     first token is as short as it can be), otherwise as much as fits (at least a chunk);
   3. as many bulk sequences decode as fit, never fewer than `min_bulk`, so bulk never starves;
   4. prompt tokens (bulk's new prompts) fill what is left.
 With no interactive stream there is no ITL to keep, and bulk keeps every sequence decoding. But an
@@ -27,6 +27,7 @@ from tokenline.engine.types import StepPlan
 
 NO_LIMIT = StepPlan()
 MIN_PREFILL_CHUNK = 16  # a prompt advances at least this much per step, even past the target
+PREFILL_SAMPLE_TOKENS = 64  # a step computing this many prompt tokens or more measures their cost
 
 
 @dataclass(frozen=True)
@@ -39,16 +40,22 @@ class WorkerLoad:
     interactive_decoding: int | None = None  # of `interactive`, those past their prompt (None: all of them)
 
 
-def step_line(estimator: StepEstimator, single_step_s: float | None, batch: int) -> tuple[float, float, float]:
+def step_line(estimator: StepEstimator, single_step_s: float | None, batch: int,
+              prefill_token_s: float | None = None) -> tuple[float, float, float]:
     """(a, b, c) of a step = a + b·sequences + c·prompt tokens, for planning steps of 1 to `batch` sequences.
 
     The fitted model forgets: after a long run at one batch size (a bulk flood) it can no longer tell
     the fixed part from the per-sequence part, and would call a sequence free. The worker's measured
     single-sequence step is kept apart, so the line through it and the fitted step at `batch` bounds
     the per-sequence cost from below; the steeper of the two is used (the cautious choice: fewer bulk
-    sequences per step), and either way the step at `batch` is predicted as fitted.
+    sequences per step), and either way the step at `batch` is predicted as fitted. Likewise the
+    per-prompt-token cost: steps that compute prompts are rare beside decode steps, so the fit can let
+    c drift low, and a step planned to take a short chunk would take a whole prompt's worth of time;
+    the cost measured on steps that computed many prompt tokens (`prefill_token_s`) is its floor.
     """
     a, b, c = estimator.coefficients
+    if prefill_token_s is not None:
+        c = max(c, prefill_token_s)
     if single_step_s is not None and batch > 1:
         at_batch = a + b * batch
         through_single = (at_batch - single_step_s) / (batch - 1)
@@ -60,10 +67,11 @@ def step_line(estimator: StepEstimator, single_step_s: float | None, batch: int)
 
 def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float | None, *,
                  share: float = 0.85, min_bulk: int = 1, ttft_target_s: float | None = None,
-                 typical_prompt: int = 128, single_step_s: float | None = None) -> StepPlan:
+                 typical_prompt: int = 128, single_step_s: float | None = None,
+                 prefill_token_s: float | None = None) -> StepPlan:
     """The plan for the worker's next steps (NO_LIMIT when no target asks for one)."""
-    a, b, c = step_line(estimator, single_step_s, load.interactive + load.bulk)
-    guard = _ttft_guard(load, (a, b, c), itl_target_s, ttft_target_s, share, typical_prompt)
+    a, b, c = step_line(estimator, single_step_s, load.interactive + load.bulk, prefill_token_s)
+    guard = _ttft_guard(load, (a, b, c), itl_target_s, ttft_target_s, share, typical_prompt, min_bulk)
     if itl_target_s is None or load.interactive == 0:
         return StepPlan(guard_prefill_tokens=guard) if guard is not None else NO_LIMIT
     room = share * itl_target_s - (a + b * load.interactive)
@@ -74,8 +82,11 @@ def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float
         interactive_prefill = min(interactive_prefill, max(_fit(room, c), MIN_PREFILL_CHUNK))
     if not whole:
         room -= c * interactive_prefill
-    bulk = load.bulk if b <= 0 else min(load.bulk, _fit(room, b))
-    bulk = max(bulk, min(min_bulk, load.bulk))
+    if whole:  # someone's first token, and no one waits on this step for a next one: only the bulk that never starves
+        bulk = min(min_bulk, load.bulk)
+    else:
+        bulk = load.bulk if b <= 0 else min(load.bulk, _fit(room, b))
+        bulk = max(bulk, min(min_bulk, load.bulk))
     room -= b * bulk
     if whole:
         prefill = interactive_prefill if c > 0 else None  # nothing else: this step is someone's first token
@@ -86,15 +97,16 @@ def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float
 
 
 def _ttft_guard(load: WorkerLoad, coef: tuple[float, float, float], itl_target_s: float | None,
-                ttft_target_s: float | None, share: float, typical_prompt: int) -> int | None:
+                ttft_target_s: float | None, share: float, typical_prompt: int, min_bulk: int) -> int | None:
     """Prompt tokens a step may compute while no interactive stream runs, so that an interactive
     request arriving during it still gets its first token within `share × TTFT target`: it waits
-    for that step, then its own first step (under the ITL plan: at most `share × ITL target`
-    besides its prompt; without one, a step of everything running plus its prompt)."""
+    for that step, then its own first step (with an ITL target: its whole prompt beside the bulk
+    sequences that never starve; without one, a step of everything running plus its prompt)."""
     a, b, c = coef
     if ttft_target_s is None or c <= 0:
         return None
-    own = (share * itl_target_s if itl_target_s is not None else a + b * (load.bulk + 1)) + c * typical_prompt
+    alongside = min(min_bulk, load.bulk) if itl_target_s is not None else load.bulk
+    own = a + b * (alongside + 1) + c * typical_prompt
     room = share * ttft_target_s - own - (a + b * load.bulk)
     return max(_fit(room, c), MIN_PREFILL_CHUNK)
 

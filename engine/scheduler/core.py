@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget, blocks_for
-from tokenline.engine.scheduler.composition import WorkerLoad, compose_step, step_line
+from tokenline.engine.scheduler.composition import PREFILL_SAMPLE_TOKENS, WorkerLoad, compose_step, step_line
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.estimator import StepEstimator
 from tokenline.engine.scheduler.queues import ClassQueue
@@ -200,6 +200,10 @@ class Scheduler(AdmissionControl):
             w.cadence.observe(report.batch_size, report.prefill_tokens, period)
             if report.batch_size == 1 and not report.prefill_tokens:
                 w.single_step_s = period if w.single_step_s is None else 0.9 * w.single_step_s + 0.1 * period
+            if report.prefill_tokens >= PREFILL_SAMPLE_TOKENS:  # enough prompt in it to tell its cost from noise
+                a, b, _ = step_line(w.cadence, w.single_step_s, report.batch_size)
+                per_token = max(period - (a + b * report.batch_size), 0.0) / report.prefill_tokens
+                w.prefill_token_s = per_token if w.prefill_token_s is None else 0.8 * w.prefill_token_s + 0.2 * per_token
         w.last_report_at = now
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
@@ -323,7 +327,8 @@ class Scheduler(AdmissionControl):
             plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
                                 share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode,
                                 ttft_target_s=self.config.interactive.ttft_target_s,
-                                typical_prompt=round(model.interactive_prompt_tokens), single_step_s=w.single_step_s)
+                                typical_prompt=round(model.interactive_prompt_tokens), single_step_s=w.single_step_s,
+                                prefill_token_s=w.prefill_token_s)
             if (plan.bulk_decode, plan.prefill_tokens, plan.guard_prefill_tokens) != \
                     (w.plan.bulk_decode, w.plan.prefill_tokens, w.plan.guard_prefill_tokens):
                 actions.append(Compose(wid, plan))

@@ -28,6 +28,9 @@ class WorkerView:
     # loop, the pipe and the frontend's share of the cores): what step composition plans by.
     cadence: StepEstimator = field(default_factory=lambda: StepEstimator(0.05))
     single_step_s: float | None = None  # its measured period with one sequence decoding (a moving average)
+    # Its cost per prompt token, measured on steps that computed at least PREFILL_SAMPLE_TOKENS of
+    # them (a moving average): the floor under the fitted one when steps are planned.
+    prefill_token_s: float | None = None
     isolate_after_crashes: int = 2  # SchedulerConfig's: a suspect this often crashed runs alone
 
     def accepting(self) -> bool:
