@@ -90,6 +90,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="time to first token promised to interactive streams: while none runs, a worker's steps "
                         "compute prompts in chunks small enough that one arriving mid-step still meets it (the "
                         "TTFT guard); 0: none (default %(default)s)")
+    p.add_argument("--bulk-goal-tok-s", type=float, default=0.0,
+                   help="output tokens a second bulk keeps making (all workers together) while interactive streams run "
+                        "under the ITL target: fewer interactive streams run at once (the others wait in the queue) "
+                        "so that steps within the target leave bulk this much; 0: none, bulk only never starves "
+                        "(default %(default)s)")
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per worker step (batch, paused, prefill, step time) to FILE, for plots")
     p.add_argument("--bulk-floor", type=float, default=_SCHED.bulk_floor, help="share of slots kept for waiting bulk (default %(default)s)")
@@ -170,7 +175,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                     ttft_target_s=args.interactive_ttft_target_ms / 1000 or None,
                                     itl_target_s=args.interactive_itl_target_ms / 1000 or None,
                                     itl_target_steps=args.interactive_itl_target_steps or None),
-            bulk=ClassConfig(args.bulk_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts),
+            bulk=ClassConfig(args.bulk_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts,
+                             throughput_goal_tok_s=args.bulk_goal_tok_s or None),
             bulk_floor=args.bulk_floor,
         )
         jobs = _job_config(args)

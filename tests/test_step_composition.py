@@ -194,6 +194,40 @@ def test_after_a_long_flood_at_one_batch_size_a_sequence_is_still_not_taken_for_
     assert true_step <= 0.85 * target + 1e-9
 
 
+
+
+def _goal_run(goal: float | None) -> tuple[Simulation, float, float]:
+    """A bulk flood and a heavy interactive stream (one every 0.5 s, ≈9 at once if all ran)."""
+    config = SchedulerConfig(interactive=ClassConfig(itl_target_s=TARGET_S),
+                             bulk=ClassConfig(admission_window_s=0.02, throughput_goal_tok_s=goal), bulk_floor=0.0)
+    spec = worker_spec(0, max_seqs=48, continuous=True, prefill_token_budget=4096)
+    sim = Simulation(config, [(spec, linear_cost(BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S))])
+    sim.run(_flood(bulk=160, interactive_every_s=0.5, interactive=40))
+    start, end = 3.0, max(o.completed for o in sim.outcomes.values() if o.cls == TrafficClass.INTERACTIVE)
+    return sim, start, end
+
+
+def _bulk_tok_s_while_interactive(sim: Simulation, start: float, end: float) -> float:
+    steps = [s for s in sim.workers[0].step_log if start <= s.start and s.start + s.duration <= end]
+    return sum(s.batch - s.interactive for s in steps) / (end - start)
+
+
+def test_a_bulk_throughput_goal_is_kept_by_running_fewer_interactive_streams_at_once():
+    goal = 140.0
+    without, with_goal = _goal_run(None), _goal_run(goal)
+
+    assert _bulk_tok_s_while_interactive(*without) < goal  # interactive streams alone leave bulk less
+    assert _bulk_tok_s_while_interactive(*with_goal) >= goal  # with the goal, bulk makes it
+    most_at_once = lambda sim: max(s.interactive for s in sim.workers[0].step_log)  # noqa: E731
+    assert most_at_once(with_goal[0]) < most_at_once(without[0])  # because fewer streams ran at once
+    for sim in (with_goal[0], without[0]):  # the streams that ran kept their ITL target, and the rest ran later
+        assert all(s.predicted_s <= TARGET_S for s in sim.workers[0].step_log if s.interactive and s.prefill_tokens == 0)
+        assert all(o.status == "finished" for o in sim.outcomes.values())
+
+def test_a_throughput_goal_must_be_positive():
+    with pytest.raises(ValueError, match="throughput_goal_tok_s"):
+        ClassConfig(throughput_goal_tok_s=0.0)
+
 # --------------------------------------------------------------------------- the TTFT guard
 
 TTFT_TARGET_S = 0.5

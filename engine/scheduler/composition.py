@@ -7,7 +7,8 @@ model (a + b·batch + c·prefill tokens), up to `share × target`, in this order
   2. interactive prompts still owed prefill: whole, beside only `min_bulk` bulk sequences, when no
      interactive stream is decoding yet (no one's ITL is at stake, and the step that gives their
      first token is as short as it can be), otherwise as much as fits (at least a chunk);
-  3. as many bulk sequences decode as fit, never fewer than `min_bulk`, so bulk never starves;
+  3. as many bulk sequences decode as fit, never fewer than `min_bulk`, so bulk never starves (a
+     bulk throughput goal is kept by admitting fewer interactive streams: `bulk_rate_beside`);
   4. prompt tokens (bulk's new prompts) fill what is left.
 With no interactive stream there is no ITL to keep, and bulk keeps every sequence decoding. But an
 interactive request may arrive at any moment, and it waits for the step under way before its own
@@ -63,6 +64,16 @@ def step_line(estimator: StepEstimator, single_step_s: float | None, batch: int,
             b = through_single
             a = at_batch - b * batch
     return a, b, c
+
+
+def bulk_rate_beside(streams: int, coef: tuple[float, float, float], step_s: float, bulk_prompt_per_output: float) -> float:
+    """Bulk tokens a second that steps of `step_s` beside `streams` interactive streams leave room for:
+    what is left after the streams, divided by what a bulk token costs (its decode, and its share of
+    the prefill of the bulk prompt that replaces a sequence when it ends)."""
+    a, b, c = coef
+    per_bulk = b + max(c, 0.0) * bulk_prompt_per_output
+    room = step_s - (a + b * streams)
+    return max(room, 0.0) / per_bulk / step_s if per_bulk > 0 else math.inf
 
 
 def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float | None, *,

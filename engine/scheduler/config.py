@@ -16,13 +16,18 @@ class ClassConfig:
     max_queued_tokens: int = 1_000_000  # prompt + max new tokens of everything queued
     max_attempts: int = 3  # first attempt + retries after worker failures
     # Latency targets (None: none). While a class with an ITL target has streams running, every
-    # step of their worker is composed to be predicted within it (composition.py); the TTFT
-    # target is what the bench measures attainment against.
+    # step of their worker is composed to be predicted within it (composition.py); while none
+    # runs, steps compute prompts in chunks small enough that a newcomer still meets the TTFT
+    # target (the TTFT guard).
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
     # The ITL target as a multiple of the worker's own single-sequence step, as it measures it
     # (used when itl_target_s is None): a target that follows the machine.
     itl_target_steps: float | None = None
+    # Output tokens a second the class is to keep making, across all of a model's workers, while
+    # the other class's ITL target holds steps short (bulk's goal; None: bulk only never starves).
+    # Met at the interactive class's expense: fewer interactive streams run at once (the rest wait).
+    throughput_goal_tok_s: float | None = None
 
     def itl_target_for(self, single_step_s: float) -> float | None:
         if self.itl_target_s is not None:
@@ -32,6 +37,8 @@ class ClassConfig:
     def __post_init__(self) -> None:
         if self.itl_target_steps is not None and self.itl_target_steps < 1:
             raise ValueError(f"itl_target_steps must be >= 1 (a step cannot be shorter than a single sequence's), got {self.itl_target_steps}")
+        if self.throughput_goal_tok_s is not None and self.throughput_goal_tok_s <= 0:
+            raise ValueError(f"throughput_goal_tok_s must be > 0 tokens a second (or None for no goal), got {self.throughput_goal_tok_s}")
         for name in ("ttft_target_s", "itl_target_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget, blocks_for
-from tokenline.engine.scheduler.composition import PREFILL_SAMPLE_TOKENS, WorkerLoad, compose_step, step_line
+from tokenline.engine.scheduler.composition import PREFILL_SAMPLE_TOKENS, WorkerLoad, bulk_rate_beside, compose_step, step_line
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.estimator import StepEstimator
 from tokenline.engine.scheduler.queues import ClassQueue
@@ -335,6 +335,11 @@ class Scheduler(AdmissionControl):
             w.plan = plan
         return actions
 
+    def _bulk_goal_per_worker(self, model: ModelState) -> float | None:
+        """Each worker's part of bulk's throughput goal: the model's goal shared evenly by its workers."""
+        goal = self.config.bulk.throughput_goal_tok_s
+        return goal / len(model.workers) if goal and model.workers else None
+
     def _itl_target(self, interactive: list[Entry], single_step_s: float) -> float | None:
         """The tightest ITL target among the interactive requests running on a worker: the class's,
         or a request's own, which is never taken below `min_itl_target_steps` single steps."""
@@ -364,12 +369,14 @@ class Scheduler(AdmissionControl):
         return self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
 
     def _keeps_itl_target(self, e: Entry, w: WorkerView) -> bool:
-        """Can the worker's steps still be composed within the ITL target with `e` decoding too?
+        """Can the worker's steps still be composed within the ITL target with `e` decoding too, and
+        still leave bulk its throughput goal?
 
         Interactive streams, unlike bulk, cannot be paused: past some number of them even a step of
         only them (and the one bulk sequence that never starves) is slower than the target, and every
-        stream on the worker would miss it. Beyond that, a newcomer waits in the queue for one to
-        end (its TTFT pays, not the running streams' ITL); the first is always let in."""
+        stream on the worker would miss it; and each one more leaves less of a step for bulk. Beyond
+        that, a newcomer waits in the queue for one to end (its TTFT pays, not the running streams'
+        ITL, nor bulk's goal); the first is always let in."""
         interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]  # this round's admissions too
         if not interactive:
             return True
@@ -377,10 +384,15 @@ class Scheduler(AdmissionControl):
         target = self._itl_target(interactive + [e], single)
         if target is None:
             return True
-        has_bulk = any(x.cls == TrafficClass.BULK for x in w.running.values())
-        a, b, _ = step_line(w.cadence, w.single_step_s, len(w.running))
-        step = a + b * (len(interactive) + 1 + (self.config.min_bulk_decode if has_bulk else 0))
-        return step <= self.config.itl_target_share * target
+        bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
+        a, b, c = step_line(w.cadence, w.single_step_s, len(w.running), w.prefill_token_s)
+        streams = len(interactive) + 1
+        planned = self.config.itl_target_share * target
+        if a + b * (streams + min(self.config.min_bulk_decode, bulk)) > planned:
+            return False
+        model = self.models[w.spec.model]
+        goal = self._bulk_goal_per_worker(model)
+        return goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal
 
     def _first_token_at(self, e: Entry, w: WorkerView, now: float) -> tuple[float, int, int]:
         """When `e` would get its first token on `w`: its next step's start, then a step with `e` in it.
@@ -557,6 +569,8 @@ class Scheduler(AdmissionControl):
     def _finish(self, e: Entry, now: float) -> None:
         self._release(e)
         transition(e, Status.FINISHED)
+        if e.cls == TrafficClass.BULK:
+            self.models[e.model].saw_bulk_finish(e.prompt_tokens, e.generated)
         drained = self.models[e.model].drained
         drained.append((now, e.prompt_tokens + e.generated))
         while drained[0][0] < now - self.config.drain_window_s:  # bounded by its window, whoever reads it
