@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from tokenline.engine.config import MiB
+from tokenline.engine.machine import choose_dtype
 
 
 def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported late
@@ -38,7 +39,7 @@ def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported
     if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
     return LLM(
-        model=args.model, dtype=args.dtype, enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mb * MiB,
+        model=args.model, dtype=choose_dtype(args.dtype)[0], enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mb * MiB,
         block_size=args.block_size, max_num_seqs=args.max_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.prefill_budget, scheduling_policy="priority", disable_log_stats=True,
     )  # fmt: skip
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--prefill-budget", type=int, default=512)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="as tokenline's --dtype; auto: from the CPU (default %(default)s)")
     p.add_argument("--warmup", type=int, default=4, help="short unrecorded requests first (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine (default %(default)s)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th throughput request, from the I-th; no sequential run")

@@ -49,7 +49,12 @@ class EngineSettings:
     max_model_len: int = 4096
     block_size: int = 128
     prefill_budget: int = 512
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # resolved as tokenline resolves it (engine/machine.py choose_dtype), for every server
+
+    def resolved_dtype(self) -> str:
+        from tokenline.engine.machine import choose_dtype, visible_gpus
+
+        return choose_dtype(self.dtype, gpus=visible_gpus())[0]
 
     def model_path(self) -> Path:
         from tokenline.engine.models import resolve_model
@@ -61,7 +66,7 @@ class EngineSettings:
         from tokenline.engine.machine import kv_bytes_per_token, plan_workers, read_machine
 
         return plan_workers(read_machine(), kv_cache_bytes=self.kv_cache_mb * MiB if self.kv_cache_mb else None,
-                            kv_bytes_per_token=kv_bytes_per_token(self.model_path(), self.dtype),
+                            kv_bytes_per_token=kv_bytes_per_token(self.model_path(), self.resolved_dtype()),
                             max_seqs=self.max_seqs, max_model_len=self.max_model_len)
 
     def worker_kv_mb(self) -> int:
@@ -135,7 +140,7 @@ def start_tokenline(settings: EngineSettings, log_path: Path, *, engine: str = "
            "--engine", engine, "--model", str(settings.model_path()),
            *(("--kv-cache-mb", str(settings.kv_cache_mb)) if settings.kv_cache_mb else ()), "--max-seqs", str(settings.max_seqs),
            "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size),
-           "--prefill-budget", str(settings.prefill_budget), "--log-level", "WARNING", *extra_args]
+           "--prefill-budget", str(settings.prefill_budget), "--dtype", settings.dtype, "--log-level", "WARNING", *extra_args]
     process = _launch(cmd, log_path)
     deadline = time.monotonic() + timeout_s
     pattern = re.compile(r"tokenline: serving on (\S+:\d+)")
@@ -160,7 +165,7 @@ def start_vllm(settings: EngineSettings, log_path: Path, *, timeout_s: float = 6
     port = free_port()
     path = settings.model_path()
     cmd = [sys.executable, "-m", "tokenline.bench.vllm_serve", "--model", str(path), "--served-model-name", path.name,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", settings.dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", settings.resolved_dtype(),
            "--kv-cache-memory-bytes", str((kv_cache_mb or settings.worker_kv_mb()) * MiB),
            "--scheduling-policy", "priority", "--disable-log-stats", "--disable-uvicorn-access-log"]
     if not own_defaults:
@@ -217,7 +222,7 @@ def _ceiling_cmd(settings: EngineSettings, requests_path: Path, out_path: Path, 
             "--requests", str(requests_path), "--out", str(out_path), "--kv-cache-mb", str(kv_cache_mb),
             "--max-seqs", str(settings.max_seqs), "--max-model-len", str(settings.context_len()),
             "--block-size", str(settings.block_size), "--prefill-budget", str(settings.prefill_budget),
-            "--dtype", settings.dtype, "--threads", str(threads)]
+            "--dtype", settings.resolved_dtype(), "--threads", str(threads)]
 
 
 def _wait_ceiling(process: subprocess.Popen, out_path: Path, log_path: Path, timeout_s: float) -> None:

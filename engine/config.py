@@ -11,7 +11,7 @@ from dataclasses import dataclass
 MiB = 1 << 20
 
 BACKENDS = ("vllm", "sim")
-DTYPES = ("bfloat16", "float16", "float32", "auto")
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: from the CPU (engine/machine.py choose_dtype)
 # "auto": vLLM's own choice, except where that choice is known to give wrong answers (see
 # engine/vllm_backend.py); "vllm": vLLM's choice unchanged; else force one CPU attention kernel.
 ATTENTION_KERNELS = ("auto", "vllm", "amx", "vec", "vec16")
@@ -37,7 +37,7 @@ class WorkerConfig:
     max_model_len: int = 4096
     block_size: int = 128  # tokens per KV block; vLLM on CPU wants a multiple of 32
     prefill_token_budget: int = 512  # tokens one step may compute (vLLM max_num_batched_tokens)
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # "auto": bf16 where the CPU computes it fast, float32 elsewhere (machine.choose_dtype)
     attention_kernel: str = "auto"
     self_check: str = "strict"
     model_version: str | None = None  # None: a content hash of the model folder

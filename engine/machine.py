@@ -146,6 +146,39 @@ def visible_gpus() -> int:
         return 0
 
 
+# CPU flags under which bf16 is the faster dtype: native bf16 (AMX, AVX-512 BF16), or AVX-512, where
+# oneDNN runs bf16 matmuls. On AVX2 alone vLLM's oneDNN linear cannot be built for bf16 ("could not
+# create a primitive descriptor for the matmul primitive") and falls back to torch's: measured on a
+# 2-core AVX2 EPYC, the default model in-process served 6.7 output tok/s in bf16 against 33 in float32
+# (32 requests of 256 + 64 tokens) and took 3.6 s against 0.66 s to its first token at concurrency 1.
+BF16_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where they cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose_dtype(requested: str, flags: frozenset[str] | None = None, *, gpus: int = 0) -> tuple[str, str]:
+    """The dtype a worker runs in, and why: `requested` unless it is "auto"; then bf16 on a GPU or where
+    the CPU computes bf16 fast (BF16_FLAGS), float32 on a CPU without them."""
+    if requested != "auto":
+        return requested, "as asked"
+    if gpus:
+        return "bfloat16", "GPU"
+    flags = cpu_flags() if flags is None else flags
+    fast = [f for f in BF16_FLAGS if f in flags]
+    if fast:
+        return "bfloat16", f"the CPU has {fast[0]}"
+    return "float32", "no AVX-512 on this CPU: bf16 matmuls would take a slow path"
+
+
 def kv_bytes_per_token(model_path: str | Path, dtype: str = "bfloat16") -> int | None:
     """KV cache bytes one token takes in this model (keys and values, every layer), from config.json."""
     return modelconfig.kv_bytes_per_token(modelconfig.read_config(model_path), dtype)

@@ -102,7 +102,7 @@ class Supervisor:
     def expect(self, worker_id: int) -> None:
         """Work went to a worker that had none: its silence so far was no hang."""
         if self.watchdog is not None:
-            self.watchdog.expect(worker_id, time.monotonic())
+            self.watchdog.expect(worker_id, time.monotonic(), self.heaviest_step_s(worker_id))
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closing = True

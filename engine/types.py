@@ -105,6 +105,10 @@ class WorkerSpec:
     dtype: str = ""  # the dtype the model runs in
     attention_kernel: str = ""  # the CPU attention kernel ("vec", "amx", ...), or the engine's backend
     self_check: str = ""  # the verdict of the model self-check against the float32 reference
+    # A step computing a whole prefill budget, as the worker timed one while it loaded (its
+    # self-check's first step, scaled to the budget; 0: not measured): the watchdog's scale before
+    # the worker has reported steps of its own.
+    full_step_s: float = 0.0
 
 
 @dataclass

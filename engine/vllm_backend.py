@@ -24,6 +24,7 @@ from tokenline.engine import selfcheck
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter, StopAcrossAttempts, delivered_text
 from tokenline.engine.kernels import choose_attention_kernel, step_plans_enabled
+from tokenline.engine.machine import choose_dtype, visible_gpus
 from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class VllmBackend:
         self.kernel = _KernelChoice(config.attention_kernel)
         # The reference before the engine: computing one needs memory for a while.
         reference, self.self_check = self._reference()
+        self.full_step_s = 0.0  # a step of a whole prefill budget, timed in the self-check
         self.engine = _build_engine(config)
         self.view = _SchedulerView(self.engine)
         import vllm
@@ -76,6 +78,7 @@ class VllmBackend:
             dtype=str(engine.model_config.dtype).removeprefix("torch."),
             attention_kernel=self.kernel.describe(),
             self_check=self.self_check,
+            full_step_s=self.full_step_s,
         )
 
     def _reference(self) -> tuple[selfcheck.Reference | None, str]:
@@ -94,7 +97,11 @@ class VllmBackend:
 
     def _run_self_check(self, reference: selfcheck.Reference) -> str:
         """Compare greedy probes with the float32 reference; raise selfcheck.SelfCheckFailed in strict mode."""
-        verdict = selfcheck.compare(reference, run_probes(self.engine, reference))
+        timing = ProbeTiming()
+        verdict = selfcheck.compare(reference, run_probes(self.engine, reference, timing))
+        self.full_step_s = timing.full_step_s(self.config.prefill_token_budget)
+        log.info("worker %d: a step of %d prompt tokens took %.2f s (a whole budget of %d: ~%.2f s)", self.worker_id,
+                 timing.first_step_tokens, timing.first_step_s, self.config.prefill_token_budget, self.full_step_s)
         summary = f"{verdict.summary()} (kernel {self.kernel.describe()}, {reference.computed_with} reference)"
         if not verdict.ok:
             other = "another dtype (--dtype float32)" if self.kernel.chosen == "vec" else \
@@ -266,7 +273,22 @@ def finish_reason(reason: str | None, stop_reason: int | str | None) -> FinishRe
     return FinishReason.STOP  # eos, a stop token id, or a repetition stop
 
 
-def run_probes(engine: LLMEngine, reference: selfcheck.Reference) -> dict[str, selfcheck.Observed]:
+@dataclass
+class ProbeTiming:
+    """The probes' first step: every probe's prompt at once, as much as one step's budget takes."""
+
+    first_step_s: float = 0.0
+    first_step_tokens: int = 0
+
+    def full_step_s(self, budget: int) -> float:
+        """That step scaled to a whole prefill budget (never below it: a step has a fixed part too)."""
+        if self.first_step_tokens <= 0:
+            return 0.0
+        return self.first_step_s * max(budget / self.first_step_tokens, 1.0)
+
+
+def run_probes(engine: LLMEngine, reference: selfcheck.Reference,
+               timing: ProbeTiming | None = None) -> dict[str, selfcheck.Observed]:
     """Run the reference's probes through the engine: greedy decoding, and reading the reference's tokens."""
     tokens = max(len(p.positions) for p in reference.probes)
     decode = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=selfcheck.TOP_K)
@@ -278,8 +300,16 @@ def run_probes(engine: LLMEngine, reference: selfcheck.Reference) -> dict[str, s
         forced = list(probe.prompt_ids) + [p.token for p in probe.positions]
         engine.add_request(f"selfcheck-read-{probe.name}", {"prompt_token_ids": forced}, read)
     finished: dict[str, Any] = {}
+    prompt_tokens = sum(2 * len(p.prompt_ids) + len(p.positions) for p in reference.probes)
+    first = True
     while engine.has_unfinished_requests():
-        for ro in engine.step():
+        started = time.perf_counter()
+        outputs = engine.step()
+        if first and timing is not None:
+            timing.first_step_s = time.perf_counter() - started
+            timing.first_step_tokens = min(prompt_tokens, engine.vllm_config.scheduler_config.max_num_batched_tokens)
+        first = False
+        for ro in outputs:
             if ro.finished:
                 finished[ro.request_id] = ro
     observed = {}
@@ -342,7 +372,7 @@ def _build_engine(config: WorkerConfig) -> LLMEngine:
     args = EngineArgs(
         model=config.model_path,
         served_model_name=config.model_name,
-        dtype=config.dtype,
+        dtype=choose_dtype(config.dtype, gpus=visible_gpus())[0],
         enforce_eager=True,  # start-up in seconds, not a minute; same speed at these sizes
         kv_cache_memory_bytes=config.kv_cache_bytes,
         block_size=config.block_size,

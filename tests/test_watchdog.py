@@ -59,3 +59,13 @@ def test_the_step_time_models_heaviest_step_widens_the_limit_before_any_long_ste
     dog.on_step(0, step_s=0.01, now=100.0, heaviest_step_s=0.8)  # a full prefill budget would take 0.8 s
 
     assert dog.limit_s(0) == pytest.approx(8.0)
+
+
+def test_a_worker_whose_first_step_is_a_full_prefill_is_given_the_time_it_measured_for_one_while_loading():
+    # On a slow CPU a whole prefill budget takes seconds; the first work a worker gets may be just that.
+    dog = StepWatchdog(floor_s=5.0, factor=10.0)
+    dog.expect(0, now=100.0, heaviest_step_s=1.5)  # the full step it timed at load
+
+    assert dog.limit_s(0) == pytest.approx(15.0)
+    assert dog.silent({0}, now=112.0) == []
+    assert dog.silent({0}, now=116.0) != []
