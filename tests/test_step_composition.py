@@ -273,6 +273,35 @@ def test_the_ttft_guard_costs_a_bulk_only_flood_little():
     assert end(_ttft_run(TTFT_TARGET_S, bulk_only)) <= 1.05 * end(_ttft_run(None, bulk_only))
 
 
+def test_on_a_slow_cpu_the_ttft_guard_still_lets_in_the_prompts_that_keep_bulks_batch_full():
+    # Shaped like the default model on a 2-core AVX2 box: 100 ms + 10.6 ms a sequence + 5 ms a prompt
+    # token. A step of 24 bulk decodes alone is 354 ms, and a newcomer's own first step ~440 ms, so a
+    # 1 s TTFT target leaves room for almost no prompt tokens in a step: the guard's chunk would be 16
+    # tokens, and a loop of 24 bulk streams (128 in, 64 out) would drain to a handful decoding.
+    def bulk_loop_end(ttft_target_s: float | None) -> float:
+        config = SchedulerConfig(interactive=ClassConfig(itl_target_s=0.3, ttft_target_s=ttft_target_s), bulk_floor=0.0)
+        spec = worker_spec(0, max_seqs=24, continuous=True, prefill_token_budget=512)
+        sim = Simulation(config, [(spec, linear_cost(0.100, 0.0106, 0.005))])
+        sim.run([SimRequest(f"bulk-{i}", 0.0, prompt_tokens=128, max_tokens=64, cls=TrafficClass.BULK) for i in range(120)])
+        assert all(o.status == "finished" for o in sim.outcomes.values())
+        return max(o.completed for o in sim.outcomes.values())
+
+    assert bulk_loop_end(1.0) <= 1.1 * bulk_loop_end(None)
+
+
+def test_the_guard_never_caps_prompts_below_what_replaces_the_bulk_sequences_that_end():
+    est = StepEstimator(0.05)
+    for batch in (1, 8, 24):
+        for prefill in (0, 128):
+            for _ in range(20):
+                est.observe(batch, prefill, 0.100 + 0.0106 * batch + 0.005 * prefill)
+    load = WorkerLoad(interactive=0, interactive_prefill=0, bulk=24)
+
+    assert compose_step(load, est, 0.3, ttft_target_s=1.0, typical_prompt=64).guard_prefill_tokens == 16
+    # bulk requests bring 2 prompt tokens per token they make: 24 decoding need 48 prompt tokens a step
+    assert compose_step(load, est, 0.3, ttft_target_s=1.0, typical_prompt=64,
+                        bulk_prompt_per_output=2.0).guard_prefill_tokens == 48
+
 def test_a_lone_interactive_prompt_goes_in_whole_while_one_already_decoding_gets_a_chunk():
     est = StepEstimator(0.05)
     for batch in (1, 8, 16, 32, 48):

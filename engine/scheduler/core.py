@@ -134,6 +134,8 @@ class Scheduler(AdmissionControl):
         self._enqueue(entry, now)
         if entry.cls == TrafficClass.INTERACTIVE:
             self.models[entry.model].saw_interactive_prompt(entry.prompt_tokens)
+        else:  # what its prompt costs per token it may make, until it finishes and says what it made
+            self.models[entry.model].saw_bulk_prompt(entry.prompt_tokens, entry.max_tokens)
         return self._dispatch(entry.model, now)  # one clock reading: admitted at once means zero wait
 
     def cancel(self, key: str) -> list[Action]:
@@ -322,13 +324,14 @@ class Scheduler(AdmissionControl):
             load = WorkerLoad(interactive=len(interactive),
                               interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
                               bulk=sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled),
-                              interactive_decoding=sum(1 for e in interactive if e.prefilled))
+                              interactive_decoding=sum(1 for e in interactive if e.prefilled),
+                              bulk_prefilling=sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and not e.prefilled))
             single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
             plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
                                 share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode,
                                 ttft_target_s=self.config.interactive.ttft_target_s,
                                 typical_prompt=round(model.interactive_prompt_tokens), single_step_s=w.single_step_s,
-                                prefill_token_s=w.prefill_token_s)
+                                prefill_token_s=w.prefill_token_s, bulk_prompt_per_output=model.bulk_prompt_per_output)
             if (plan.bulk_decode, plan.prefill_tokens, plan.guard_prefill_tokens) != \
                     (w.plan.bulk_decode, w.plan.prefill_tokens, w.plan.guard_prefill_tokens):
                 actions.append(Compose(wid, plan))

@@ -55,12 +55,16 @@ class ModelState:
     # the prior until one has come): what the TTFT guard keeps room for.
     interactive_prompt_tokens: float = 128.0
 
-    # Prompt tokens a finished bulk request brought per output token it made (moving average): what
-    # each bulk token costs in prefill, beside its decode, when bulk is held to a throughput goal.
+    # Prompt tokens a bulk request brings per output token it makes (moving average; from max_tokens
+    # on arrival, from what it made once it finishes): the prompt tokens a step must compute for
+    # bulk's batch to stay full as sequences end, and what a bulk token costs beside its decode.
     bulk_prompt_per_output: float = 0.0
 
     def saw_interactive_prompt(self, tokens: int) -> None:
         self.interactive_prompt_tokens += 0.2 * (tokens - self.interactive_prompt_tokens)
+
+    def saw_bulk_prompt(self, prompt_tokens: int, max_tokens: int) -> None:
+        self.bulk_prompt_per_output += 0.2 * (prompt_tokens / max(max_tokens, 1) - self.bulk_prompt_per_output)
 
     def saw_bulk_finish(self, prompt_tokens: int, generated: int) -> None:
         self.bulk_prompt_per_output += 0.2 * (prompt_tokens / max(generated, 1) - self.bulk_prompt_per_output)
