@@ -273,6 +273,16 @@ def test_the_ttft_guard_costs_a_bulk_only_flood_little():
     assert end(_ttft_run(TTFT_TARGET_S, bulk_only)) <= 1.05 * end(_ttft_run(None, bulk_only))
 
 
+def _taught_estimator(base_s: float = BASE_S, per_seq_s: float = PER_SEQ_S, per_token_s: float = PER_PREFILL_TOKEN_S, *,
+                      batches: tuple[int, ...] = (1, 8, 16, 32, 48), prefills: tuple[int, ...] = (0, 256)) -> StepEstimator:
+    """An estimator that has seen steps of every batch and prompt size given, costed linearly."""
+    est = StepEstimator(0.05)
+    for batch in batches:
+        for prefill in prefills:
+            for _ in range(20):
+                est.observe(batch, prefill, base_s + per_seq_s * batch + per_token_s * prefill)
+    return est
+
 def test_on_a_slow_cpu_the_ttft_guard_still_lets_in_the_prompts_that_keep_bulks_batch_full():
     # Shaped like the default model on a 2-core AVX2 box: 100 ms + 10.6 ms a sequence + 5 ms a prompt
     # token. A step of 24 bulk decodes alone is 354 ms, and a newcomer's own first step ~440 ms, so a
@@ -290,11 +300,7 @@ def test_on_a_slow_cpu_the_ttft_guard_still_lets_in_the_prompts_that_keep_bulks_
 
 
 def test_the_guard_never_caps_prompts_below_what_replaces_the_bulk_sequences_that_end():
-    est = StepEstimator(0.05)
-    for batch in (1, 8, 24):
-        for prefill in (0, 128):
-            for _ in range(20):
-                est.observe(batch, prefill, 0.100 + 0.0106 * batch + 0.005 * prefill)
+    est = _taught_estimator(0.100, 0.0106, 0.005, batches=(1, 8, 24), prefills=(0, 128))
     load = WorkerLoad(interactive=0, interactive_prefill=0, bulk=24)
 
     assert compose_step(load, est, 0.3, ttft_target_s=1.0, typical_prompt=64).guard_prefill_tokens == 16
@@ -302,12 +308,9 @@ def test_the_guard_never_caps_prompts_below_what_replaces_the_bulk_sequences_tha
     assert compose_step(load, est, 0.3, ttft_target_s=1.0, typical_prompt=64,
                         bulk_prompt_per_output=2.0).guard_prefill_tokens == 48
 
+
 def test_a_lone_interactive_prompt_goes_in_whole_while_one_already_decoding_gets_a_chunk():
-    est = StepEstimator(0.05)
-    for batch in (1, 8, 16, 32, 48):
-        for prefill in (0, 256):
-            for _ in range(20):
-                est.observe(batch, prefill, BASE_S + PER_SEQ_S * batch + PER_PREFILL_TOKEN_S * prefill)
+    est = _taught_estimator()
 
     lone = compose_step(WorkerLoad(interactive=1, interactive_prefill=200, bulk=40, interactive_decoding=0), est, TARGET_S)
     beside = compose_step(WorkerLoad(interactive=2, interactive_prefill=200, bulk=40, interactive_decoding=1), est, TARGET_S)
@@ -319,11 +322,7 @@ def test_a_lone_interactive_prompt_goes_in_whole_while_one_already_decoding_gets
 
 
 def test_the_guard_keeps_room_for_the_prompt_an_interactive_arrival_is_expected_to_bring():
-    est = StepEstimator(0.05)
-    for batch in (1, 8, 16, 32, 48):
-        for prefill in (0, 256):
-            for _ in range(20):
-                est.observe(batch, prefill, BASE_S + PER_SEQ_S * batch + PER_PREFILL_TOKEN_S * prefill)
+    est = _taught_estimator()
     short = compose_step(WorkerLoad(0, 0, 40), est, TARGET_S, ttft_target_s=TTFT_TARGET_S, typical_prompt=32)
     long = compose_step(WorkerLoad(0, 0, 40), est, TARGET_S, ttft_target_s=TTFT_TARGET_S, typical_prompt=400)
 
