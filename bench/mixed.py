@@ -12,9 +12,10 @@ and `--interactive-ttft-target-ms`:
 Reported per server and T: interactive attainment of TTFT ≤ target, of ITL ≤ T, of both; bulk in the mix over
 bulk alone; and, for tokenline, the most bulk throughput any schedule could give under T: from the step-time
 curve of run 1 (step = a + b·batch, least squares on the step periods in tokenline's step log) and the share
-of time each number of interactive streams ran in run 4, bulk can decode at most k(n) = ⌊(T − a)/b⌋ − n
-sequences per step while n interactive streams run (each such step is at least a + b·(n + k)), and its whole
-batch while none do. The plot shows per-step batch size and step time over each mixed run with interactive
+of time each number of interactive streams ran in run 4, bulk can decode at most
+k(n) = ⌊(T − a − b·n)/(b + c·r)⌋ sequences per step while n interactive streams run, where each such step
+also computes the prompts replacing the bulk sequences that end (c seconds a prompt token, from run 1's
+prompt steps; r bulk prompt tokens per output token), and its whole batch while none do. The plot shows per-step batch size and step time over each mixed run with interactive
 arrivals marked.
 """
 
@@ -87,8 +88,10 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
             bulk_alone, solo_itl_ms = await references("tokenline, no target", server, base)
         alone_tok_s = steady_tok_s(bulk_alone, "bulk", spec.duration_s)
         curve = fit_step_curve(_read_steps(step_log))
+        prompt_cost_s = fit_prompt_cost(_read_steps(step_log), curve)
         report["servers"]["tokenline"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s,
-                                          "step_curve_ms": {"a": curve[0] * 1000, "b": curve[1] * 1000}}
+                                          "step_curve_ms": {"a": curve[0] * 1000, "b": curve[1] * 1000,
+                                                            "c_per_prompt_token": prompt_cost_s * 1000}}
         for steps in spec.itl_target_steps:
             slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=steps * solo_itl_ms)
             out = out_dir / "tokenline" / f"itl-{steps:g}x"
@@ -105,7 +108,8 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
             mixed_steps = _read_steps(step_log)[mix_start:]
             t0 = mix.run.started_unix
             bound = bulk_bound(curve, [x for x in mixed_steps if x.get("unix", t0) < t0 + spec.duration_s],
-                               spec.bulk_concurrency, slo.itl_ms / 1000, t0 + spec.duration_s / 6, alone_tok_s)
+                               spec.bulk_concurrency, slo.itl_ms / 1000, t0 + spec.duration_s / 6, alone_tok_s,
+                               prompt_cost_s, spec.bulk_lengths[0] / spec.bulk_lengths[1])
             result.update(bound)
             if bound.get("bound_tok_s"):
                 result["bulk_mixed_over_bound"] = result["bulk_mixed_tok_s"] / bound["bound_tok_s"]
@@ -175,14 +179,27 @@ def fit_step_curve(steps: list[dict]) -> tuple[float, float]:
     return my - b * mx, max(b, 0.0)
 
 
+def fit_prompt_cost(steps: list[dict], curve: tuple[float, float]) -> float:
+    """Seconds per prompt token: the median, over steps that computed 64 prompt tokens or more, of what
+    their period took beyond the decode line a + b·batch, per prompt token (0 without such steps)."""
+    a, b = curve
+    costs = [(s["unix"] - prev["unix"] - a - b * s["batch"]) / s["prefill"] for prev, s in zip(steps, steps[1:])
+             if s.get("prefill", 0) >= 64 and s["unix"] - prev["unix"] < 4 * s["step_ms"] / 1000 + 0.05]
+    return max(statistics.median(costs), 0.0) if costs else 0.0
+
+
 def bulk_bound(curve: tuple[float, float], steps: list[dict], bulk: int, target_s: float, since_unix: float,
-               bulk_alone_tok_s: float) -> dict[str, Any]:
+               bulk_alone_tok_s: float, prompt_cost_s: float = 0.0, prompt_per_output: float = 0.0) -> dict[str, Any]:
     """The most bulk tokens/s any schedule could give under the ITL target, weighted by time with n interactive.
 
     With no interactive stream running, the bound is bulk's measured throughput alone; with n running,
-    k(n) bulk sequences at most in steps of a + b·(n + k(n)) seconds.
+    k(n) bulk sequences at most, in steps that also compute the prompts replacing the bulk sequences
+    that end (`prompt_per_output` prompt tokens a bulk token, `prompt_cost_s` each): a step of
+    a + b·(n + k) + c·r·k seconds, no longer than the target. (Leaving the prompts out, as this bound
+    first did, calls a schedule possible that would stop bulk once its prefilled sequences end.)
     """
     a, b = curve
+    per_bulk = b + prompt_cost_s * prompt_per_output
     steps = [s for s in steps if s.get("unix", since_unix) >= since_unix]
     if not steps or b <= 0:
         return {}
@@ -194,8 +211,8 @@ def bulk_bound(curve: tuple[float, float], steps: list[dict], bulk: int, target_
     def rate(n: int) -> float:
         if n == 0:
             return bulk_alone_tok_s
-        k = max(min(math.floor((target_s - a) / b + 1e-9) - n, bulk), 0)
-        return min(k / (a + b * (n + k)), bulk_alone_tok_s) if k else 0.0
+        k = max(min(math.floor((target_s - a - b * n) / per_bulk + 1e-9), bulk), 0)
+        return min(k / (a + b * n + per_bulk * k), bulk_alone_tok_s) if k else 0.0
 
     bound = sum(t / total * rate(n) for n, t in time_with.items())
     return {"bound_tok_s": bound, "share_of_time_by_interactive": {n: t / total for n, t in sorted(time_with.items())}}

@@ -2,15 +2,16 @@
 
 import pytest
 
-from tokenline.bench.mixed import bulk_bound, fit_step_curve
+from tokenline.bench.mixed import bulk_bound, fit_prompt_cost, fit_step_curve
 
 
-def _log(batches, a=0.010, b=0.002, interactive=0, start=100.0):
+def _log(batches, a=0.010, b=0.002, interactive=0, start=100.0, prefills=None, c=0.0):
     steps, t = [], start
-    for n in batches:
-        t += a + b * n
-        steps.append({"unix": t, "batch": n, "paused": 0, "prefill": 0, "step_ms": (a + b * n) * 1000 * 0.8,
-                      "interactive": interactive})
+    for i, n in enumerate(batches):
+        prefill = prefills[i] if prefills else 0
+        t += a + b * n + c * prefill
+        steps.append({"unix": t, "batch": n, "paused": 0, "prefill": prefill,
+                      "step_ms": (a + b * n + c * prefill) * 1000 * 0.8, "interactive": interactive})
     return steps
 
 
@@ -27,6 +28,20 @@ def test_the_bound_is_bulk_alone_without_interactive_and_what_fits_the_target_wi
     mixed = bulk_bound(curve, _log([10] * 10, interactive=2), 48, 0.030, 0.0, bulk_alone_tok_s=400.0)
     assert mixed["bound_tok_s"] == pytest.approx(8 / 0.030)
 
+
+def test_the_prompt_cost_is_what_prompt_steps_took_beyond_the_decode_line():
+    log = _log([8, 8, 8, 8, 8, 8] * 4, prefills=[0, 128, 0, 256, 0, 16] * 4, c=0.001)
+    assert fit_prompt_cost(log, (0.010, 0.002)) == pytest.approx(0.001, rel=1e-6)  # the 16-token steps say too little
+    assert fit_prompt_cost(_log([8] * 10), (0.010, 0.002)) == 0.0  # no prompt step: no cost known
+
+
+def test_the_bound_leaves_room_in_each_step_for_the_prompts_that_replace_ending_bulk():
+    # 2 prompt tokens a bulk token at 1 ms each: a bulk sequence costs 2 + 2 = 4 ms a step, not 2, so with
+    # 2 interactive streams and a 30 ms target at most (30 − 10 − 4)/4 = 4 bulk sequences, in a 30 ms step
+    curve = (0.010, 0.002)
+    mixed = bulk_bound(curve, _log([10] * 10, interactive=2), 48, 0.030, 0.0, bulk_alone_tok_s=400.0,
+                       prompt_cost_s=0.001, prompt_per_output=2.0)
+    assert mixed["bound_tok_s"] == pytest.approx(4 / 0.030)
 
 def test_a_short_mixed_run_reports_every_target_beside_the_references(tmp_path):
     """The bench end to end, short: tokenline on the simulated engine (tiny model), no target, then one ITL target."""
