@@ -15,8 +15,8 @@ curve of run 1 (step = a + b·batch, least squares on the step periods in tokenl
 of time each number of interactive streams ran in run 4, bulk can decode at most
 k(n) = ⌊(T − a − b·n)/(b + c·r)⌋ sequences per step while n interactive streams run, where each such step
 also computes the prompts replacing the bulk sequences that end (c seconds a prompt token, from run 1's
-prompt steps; r bulk prompt tokens per output token), and its whole batch while none do. The plot shows per-step batch size and step time over each mixed run with interactive
-arrivals marked.
+prompt steps; r bulk prompt tokens per output token), and its whole batch while none do. The plot shows
+per-step batch size and step time over each mixed run with interactive arrivals marked.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
         with _start_tokenline(spec, out_dir, "no-target", step_log) as server:
             bulk_alone, solo_itl_ms = await references("tokenline, no target", server, base)
         alone_tok_s = steady_tok_s(bulk_alone, "bulk", spec.duration_s)
-        curve = fit_step_curve(_read_steps(step_log))
-        prompt_cost_s = fit_prompt_cost(_read_steps(step_log), curve)
+        reference_steps = _read_steps(step_log)
+        curve = fit_step_curve(reference_steps)
+        prompt_cost_s = fit_prompt_cost(reference_steps, curve)
         report["servers"]["tokenline"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s,
                                           "step_curve_ms": {"a": curve[0] * 1000, "b": curve[1] * 1000,
                                                             "c_per_prompt_token": prompt_cost_s * 1000}}

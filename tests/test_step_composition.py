@@ -221,7 +221,9 @@ def test_a_bulk_throughput_goal_is_kept_by_running_fewer_interactive_streams_at_
     most_at_once = lambda sim: max(s.interactive for s in sim.workers[0].step_log)  # noqa: E731
     assert most_at_once(with_goal[0]) < most_at_once(without[0])  # because fewer streams ran at once
     for sim in (with_goal[0], without[0]):  # the streams that ran kept their ITL target, and the rest ran later
-        assert all(s.predicted_s <= TARGET_S for s in sim.workers[0].step_log if s.interactive and s.prefill_tokens == 0)
+        # (but for the steps computing newcomers' whole 64-token prompts, where no stream was decoding yet)
+        kept = [s for s in sim.workers[0].step_log if s.interactive and s.prefill_tokens < 64]
+        assert len(kept) > 100 and all(s.predicted_s <= TARGET_S for s in kept)
         assert all(o.status == "finished" for o in sim.outcomes.values())
 
 def test_a_throughput_goal_must_be_positive():

@@ -135,7 +135,7 @@ class Scheduler(AdmissionControl):
         if entry.cls == TrafficClass.INTERACTIVE:
             self.models[entry.model].saw_interactive_prompt(entry.prompt_tokens)
         else:  # what its prompt costs per token it may make, until it finishes and says what it made
-            self.models[entry.model].saw_bulk_prompt(entry.prompt_tokens, entry.max_tokens)
+            self.models[entry.model].saw_bulk(entry.prompt_tokens, entry.max_tokens)
         return self._dispatch(entry.model, now)  # one clock reading: admitted at once means zero wait
 
     def cancel(self, key: str) -> list[Action]:
@@ -321,11 +321,12 @@ class Scheduler(AdmissionControl):
         for wid in model.workers:
             w = self.workers[wid]
             interactive = [e for e in w.running.values() if e.cls == TrafficClass.INTERACTIVE]
+            bulk_decoding = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled)
             load = WorkerLoad(interactive=len(interactive),
                               interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
-                              bulk=sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled),
+                              bulk=bulk_decoding,
                               interactive_decoding=sum(1 for e in interactive if e.prefilled),
-                              bulk_prefilling=sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and not e.prefilled))
+                              bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding)
             single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
             plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
                                 share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode,
@@ -573,7 +574,7 @@ class Scheduler(AdmissionControl):
         self._release(e)
         transition(e, Status.FINISHED)
         if e.cls == TrafficClass.BULK:
-            self.models[e.model].saw_bulk_finish(e.prompt_tokens, e.generated)
+            self.models[e.model].saw_bulk(e.prompt_tokens, e.generated)
         drained = self.models[e.model].drained
         drained.append((now, e.prompt_tokens + e.generated))
         while drained[0][0] < now - self.config.drain_window_s:  # bounded by its window, whoever reads it

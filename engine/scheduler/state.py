@@ -63,8 +63,5 @@ class ModelState:
     def saw_interactive_prompt(self, tokens: int) -> None:
         self.interactive_prompt_tokens += 0.2 * (tokens - self.interactive_prompt_tokens)
 
-    def saw_bulk_prompt(self, prompt_tokens: int, max_tokens: int) -> None:
-        self.bulk_prompt_per_output += 0.2 * (prompt_tokens / max(max_tokens, 1) - self.bulk_prompt_per_output)
-
-    def saw_bulk_finish(self, prompt_tokens: int, generated: int) -> None:
-        self.bulk_prompt_per_output += 0.2 * (prompt_tokens / max(generated, 1) - self.bulk_prompt_per_output)
+    def saw_bulk(self, prompt_tokens: int, output_tokens: int) -> None:
+        self.bulk_prompt_per_output += 0.2 * (prompt_tokens / max(output_tokens, 1) - self.bulk_prompt_per_output)
