@@ -196,6 +196,69 @@ def test_after_a_long_flood_at_one_batch_size_a_sequence_is_still_not_taken_for_
 
 
 
+def _chats_under_noise(noise: float, seed: int = 1) -> Simulation:
+    """The flood, and 40 interactive streams one a second, on a worker whose every step runs up to
+    `noise` longer than its cost at random (a shared box): what no step-time model can predict."""
+    import random
+
+    rnd = random.Random(seed)
+    cost = linear_cost(BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S)
+    config = SchedulerConfig(interactive=ClassConfig(itl_target_s=TARGET_S), bulk_floor=0.0)
+    sim = Simulation(config, [(worker_spec(0, max_seqs=48, continuous=True, prefill_token_budget=4096),
+                               lambda batch, prefill: cost(batch, prefill) * (1 + noise * rnd.random()))])
+    sim.run(_flood(interactive=40, interactive_every_s=1.0))
+    return sim
+
+
+def _mean_itls(sim: Simulation) -> list[float]:
+    chats = [o for o in sim.outcomes.values() if o.cls == TrafficClass.INTERACTIVE]
+    assert chats and all(o.status == "finished" for o in chats)
+    return [(o.completed - o.first_token) / (o.tokens - 1) for o in chats]
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.3, 0.6])
+def test_the_plan_learns_from_the_streams_how_close_to_the_target_their_steps_may_run(noise):
+    sim = _chats_under_noise(noise)
+
+    itls = _mean_itls(sim)
+    share = sim.scheduler.workers[0].itl_share
+    # every stream keeps its target, what it sees being its mean time per token...
+    assert max(itls) <= TARGET_S
+    # ...and the slowest ones come close to it: the steps are planned no shorter than the streams
+    # need (what is left of each step goes to bulk)
+    assert sorted(itls)[len(itls) // 2] >= 0.85 * TARGET_S
+    assert SchedulerConfig().itl_share_min < share <= SchedulerConfig().itl_share_max
+
+
+def test_a_stream_slower_than_the_tail_share_cuts_the_plan_and_a_faster_one_lets_it_grow():
+    sim = _chats_under_noise(0.0)
+    core, worker = sim.scheduler, sim.scheduler.workers[0]
+    cfg = core.config
+
+    def finish(seconds_per_token: float) -> float:
+        from tokenline.engine.scheduler.records import Entry
+        e = Entry("probe", "sim", "t", TrafficClass.INTERACTIVE, prompt_tokens=8, max_tokens=33, arrival=0.0)
+        e.first_token_at, e.tokens_this_run = 100.0, 33
+        core._learn_itl_share(worker, e, 100.0 + 32 * seconds_per_token)
+        return worker.itl_share
+
+    worker.itl_share = 0.9
+    assert finish(1.0 * TARGET_S) == pytest.approx(0.9 * cfg.itl_tail_share / 1.0)  # cut in proportion
+    before = worker.itl_share
+    assert finish(0.5 * TARGET_S) == pytest.approx(before + cfg.itl_share_step)  # grows a step
+    worker.itl_share = cfg.itl_share_max
+    assert finish(0.5 * TARGET_S) == cfg.itl_share_max  # never past its bounds
+    worker.itl_share = cfg.itl_share_min
+    assert finish(3.0 * TARGET_S) == cfg.itl_share_min
+
+
+def test_the_itl_share_bounds_are_checked():
+    with pytest.raises(ValueError, match="itl_share_min"):
+        SchedulerConfig(itl_target_share=0.97)  # above the most it may grow to
+    with pytest.raises(ValueError, match="itl_tail_share"):
+        SchedulerConfig(itl_tail_share=1.2)
+
+
 def _goal_run(goal: float | None) -> tuple[Simulation, float, float]:
     """A bulk flood and a heavy interactive stream (one every 0.5 s, ≈9 at once if all ran)."""
     config = SchedulerConfig(interactive=ClassConfig(itl_target_s=TARGET_S),

@@ -45,6 +45,7 @@ from tokenline.engine.scheduler.status import FINAL, Status, transition
 from tokenline.engine.types import FinishReason, StepReport, TrafficClass, WorkerSpec
 
 CLASSES = (TrafficClass.INTERACTIVE, TrafficClass.BULK)
+ITL_SAMPLE_TOKENS = 8  # a finished interactive stream of this many tokens or more says how its steps ran
 
 
 @dataclass
@@ -79,7 +80,8 @@ class Scheduler(AdmissionControl):
             est = old.estimator
         cadence = old.cadence if old is not None else StepEstimator(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)
         self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est, cadence=cadence,
-                                                  isolate_after_crashes=self.config.isolate_after_crashes)
+                                                  isolate_after_crashes=self.config.isolate_after_crashes,
+                                                  itl_share=old.itl_share if old is not None else self.config.itl_target_share)
         model = self._model(spec.model)
         if spec.worker_id not in model.workers:
             model.workers.append(spec.worker_id)
@@ -183,11 +185,15 @@ class Scheduler(AdmissionControl):
                 self.counters.stale_outputs += 1
                 continue
             e.generated += len(out.new_token_ids)
+            e.tokens_this_run += len(out.new_token_ids)
+            if out.new_token_ids and e.first_token_at is None:
+                e.first_token_at = now
             e.prefilled = e.prefilled or bool(out.new_token_ids)
             e.est_finish = now + e.remaining * step
             reason = (out.finish_reason or FinishReason.STOP) if out.finished else None
             result.deliveries.append(Delivery(e.key, out.new_token_ids, out.text, reason))
             if out.finished:
+                self._learn_itl_share(w, e, now)
                 self._finish(e, now)
             else:
                 self._recount_blocks(e, w)
@@ -210,6 +216,26 @@ class Scheduler(AdmissionControl):
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
         w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
+
+    def _learn_itl_share(self, w: WorkerView, e: Entry, now: float) -> None:
+        """Move the worker's planning share of the ITL target by what a finished interactive stream
+        saw: its mean time per token over its target. Above `itl_tail_share` of it, the share is cut
+        in proportion (the slowest streams come back inside); below, it grows a step (bulk gets more).
+        Streams too short to say much, and runs that did not stream from one worker, teach nothing."""
+        if e.cls != TrafficClass.INTERACTIVE or e.first_token_at is None or e.tokens_this_run < ITL_SAMPLE_TOKENS:
+            return
+        single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
+        target = self._itl_target([e], single)
+        if target is None:
+            return
+        seen = (now - e.first_token_at) / (e.tokens_this_run - 1) / target
+        cfg = self.config
+        share = w.itl_share
+        if seen > cfg.itl_tail_share:
+            share *= cfg.itl_tail_share / seen
+        else:
+            share += cfg.itl_share_step
+        w.itl_share = min(max(share, cfg.itl_share_min), cfg.itl_share_max)
 
     def on_timer(self) -> list[Action]:
         """Expire what passed its deadline and fire admission windows that ran out."""
@@ -329,7 +355,7 @@ class Scheduler(AdmissionControl):
                               bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding)
             single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
             plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
-                                share=self.config.itl_target_share, min_bulk=self.config.min_bulk_decode,
+                                share=w.itl_share, min_bulk=self.config.min_bulk_decode,
                                 ttft_target_s=self.config.interactive.ttft_target_s,
                                 typical_prompt=round(model.interactive_prompt_tokens), single_step_s=w.single_step_s,
                                 prefill_token_s=w.prefill_token_s, bulk_prompt_per_output=model.bulk_prompt_per_output)
@@ -391,7 +417,7 @@ class Scheduler(AdmissionControl):
         bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
         a, b, c = step_line(w.cadence, w.single_step_s, len(w.running), w.prefill_token_s)
         streams = len(interactive) + 1
-        planned = self.config.itl_target_share * target
+        planned = w.itl_share * target
         if a + b * (streams + min(self.config.min_bulk_decode, bulk)) > planned:
             return False
         model = self.models[w.spec.model]
@@ -467,6 +493,7 @@ class Scheduler(AdmissionControl):
         e.queueing_s, e.admission_wait_s = queueing, waited - queueing
         e.run += 1
         e.prefilled = False
+        e.first_token_at, e.tokens_this_run = None, 0
         e.worker_id = w.spec.worker_id
         e.blocks = blocks_for(e, w.spec.block_size, self.config.kv_margin_tokens)
         w.reserved_blocks += e.blocks

@@ -39,6 +39,8 @@ class Entry:
     worker_id: int | None = None
     blocks: int = 0  # KV blocks reserved on its worker
     est_finish: float = 0.0
+    first_token_at: float | None = None  # when this run's first token came (its worker's report)
+    tokens_this_run: int = 0  # tokens this run made
     # accounting
     no_capacity_at_enqueue: float = 0.0
     queueing_s: float = 0.0

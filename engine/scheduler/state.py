@@ -31,6 +31,9 @@ class WorkerView:
     # Its cost per prompt token, measured on steps that computed at least PREFILL_SAMPLE_TOKENS of
     # them (a moving average): the floor under the fitted one when steps are planned.
     prefill_token_s: float | None = None
+    # The share of the ITL target its steps are planned to: learnt from what its interactive
+    # streams saw (SchedulerCore._learn_itl_share), from SchedulerConfig.itl_target_share.
+    itl_share: float = 0.85
     isolate_after_crashes: int = 2  # SchedulerConfig's: a suspect this often crashed runs alone
 
     def accepting(self) -> bool:
