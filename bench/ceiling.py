@@ -4,8 +4,10 @@
 
 Run only as its own process (`bench compare` starts it): it imports vLLM, which
 nothing else in the bench does. The engine is built with the settings of
-tokenline's worker (engine/vllm_backend.py): in-process engine core, bf16, eager,
-explicit KV cache, priority scheduling. `requests.json` holds two lists of
+tokenline's worker (engine/vllm_backend.py): in-process engine core, its dtype, eager,
+explicit KV cache, priority scheduling, and its attention-kernel policy (`--attention-kernel auto`:
+vLLM's choice less a kernel known to answer wrongly, so the ceiling is the best *right* engine; `vllm`:
+vLLM's own choice, whatever it answers). `requests.json` holds two lists of
 {"prompt_ids", "max_tokens", "ignore_eos"}:
 
 - "throughput": all handed to `LLM.generate` at once: the engine's own output tokens/s.
@@ -36,8 +38,11 @@ def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported
     import torch
     from vllm import LLM
 
+    from tokenline.engine.vllm_backend import KernelChoice
+
     if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
+    args.kernel = KernelChoice(args.attention_kernel)  # wraps vLLM's chooser before the engine asks it
     return LLM(
         model=args.model, dtype=choose_dtype(args.dtype)[0], enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mb * MiB,
         block_size=args.block_size, max_num_seqs=args.max_seqs, max_model_len=args.max_model_len,
@@ -109,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--prefill-budget", type=int, default=512)
     p.add_argument("--dtype", default="auto", help="as tokenline's --dtype; auto: from the CPU (default %(default)s)")
+    p.add_argument("--attention-kernel", default="auto",
+                   help="as tokenline's --attention-kernel; auto: vLLM's choice less known-wrong kernels (default %(default)s)")
     p.add_argument("--warmup", type=int, default=4, help="short unrecorded requests first (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine (default %(default)s)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th throughput request, from the I-th; no sequential run")
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     warm = [dict(r, max_tokens=4) for r in (workload.get("sequential") or workload.get("throughput") or [])[: args.warmup]]
     if warm:
         llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in warm], [sampling(r) for r in warm], use_tqdm=False)
-    result = {"engine": "vllm in-process (offline)", "startup_s": startup, "threads": args.threads}
+    result = {"engine": "vllm in-process (offline)", "startup_s": startup, "threads": args.threads,
+              "attention_kernel": args.kernel.describe()}
     if args.shard and args.ready_dir:
         _wait_for_shards(args.ready_dir, index, count)
     if workload.get("throughput"):

@@ -141,7 +141,7 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
         log(f"-- engine ceiling (vLLM in-process, one tokenline worker's settings: {plan.threads} thread(s))")
         ceiling = run_ceiling(spec.settings, requests_path, out_dir / "ceiling.json", out_dir / "logs" / "ceiling.log",
                               threads=plan.threads)
-        log(f"   {ceiling['throughput']['output_throughput']:.0f} output tok/s; concurrency 1: ttft p50 "
+        log(f"   attention kernel {ceiling.get('attention_kernel', '?')}; {ceiling['throughput']['output_throughput']:.0f} output tok/s; concurrency 1: ttft p50 "
             f"{ceiling['sequential']['median_ttft_ms']:.1f} ms, itl p50 {ceiling['sequential']['median_itl_ms']:.2f} ms")
     best: dict[str, Any] | None = None
     if "best" not in spec.skip:
@@ -188,7 +188,8 @@ def box_best(spec: CompareSpec, plan: Any, requests_path: Path, out_dir: Path, l
         configs[f"{cpus} engines × 1 thread"] = many["output_throughput"]
         log(f"   {many['output_throughput']:.0f} output tok/s")
     name = max(configs, key=configs.get)
-    return {"config": name, "output_throughput": configs[name], "configs": configs, "sequential_all_threads": one.get("sequential")}
+    return {"config": name, "output_throughput": configs[name], "configs": configs, "sequential_all_threads": one.get("sequential"),
+            "attention_kernel": one.get("attention_kernel", "")}
 
 
 def _start(kind: str, spec: CompareSpec, out_dir: Path) -> ServerProcess:
@@ -274,7 +275,8 @@ def format_comparison(report: dict[str, Any]) -> str:
     best = report.get("box_best")
     if best:
         measured = "; ".join(f"{k}: {v:,.0f}" for k, v in best["configs"].items())
-        lines.append(f"the box's best engine: {best['config']}, {best['output_throughput']:,.0f} output tok/s ({measured})")
+        kernel = f", attention kernel {best['attention_kernel']}" if best.get("attention_kernel") else ""
+        lines.append(f"the box's best engine: {best['config']}, {best['output_throughput']:,.0f} output tok/s ({measured}){kernel}")
         for kind, name in (("tokenline", "tokenline"), ("vllm", "vllm serve")):
             if f"{kind}_throughput_over_box_best" in r:
                 lines.append(f"{name}: served throughput ÷ the box's best engine {fmt(r[f'{kind}_throughput_over_box_best'], '.2f')}")

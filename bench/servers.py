@@ -50,6 +50,9 @@ class EngineSettings:
     block_size: int = 128
     prefill_budget: int = 512
     dtype: str = "auto"  # resolved as tokenline resolves it (engine/machine.py choose_dtype), for every server
+    # The engine ceiling's CPU attention kernel: tokenline's policy (auto: never a kernel known to
+    # answer wrongly), so that "the box's best" is the best engine that answers right.
+    attention_kernel: str = "auto"
 
     def resolved_dtype(self) -> str:
         from tokenline.engine.machine import choose_dtype, visible_gpus
@@ -210,11 +213,13 @@ def run_ceiling_engines(settings: EngineSettings, requests_path: Path, out_dir: 
         runs.append((_launch(cmd, out_dir / "logs" / f"ceiling-{engines}x1-{i}.log"), out_path))
     for process, out_path in runs:
         _wait_ceiling(process, out_path, out_dir / "logs" / f"{out_path.stem}.log", timeout_s)
-    parts = [json.loads(out_path.read_text())["throughput"] for _, out_path in runs]
+    results = [json.loads(out_path.read_text()) for _, out_path in runs]
+    parts = [r["throughput"] for r in results]
     duration = max(p["ended_at"] for p in parts) - min(p["started_at"] for p in parts)
     out_tokens = sum(p["total_output_tokens"] for p in parts)
     return {"engines": engines, "threads": 1, "duration": duration, "total_output_tokens": out_tokens,
-            "output_throughput": out_tokens / duration, "completed": sum(p["completed"] for p in parts)}
+            "output_throughput": out_tokens / duration, "completed": sum(p["completed"] for p in parts),
+            "attention_kernel": results[0].get("attention_kernel", "")}
 
 
 def _ceiling_cmd(settings: EngineSettings, requests_path: Path, out_path: Path, threads: int, kv_cache_mb: int) -> list[str]:
@@ -222,7 +227,8 @@ def _ceiling_cmd(settings: EngineSettings, requests_path: Path, out_path: Path, 
             "--requests", str(requests_path), "--out", str(out_path), "--kv-cache-mb", str(kv_cache_mb),
             "--max-seqs", str(settings.max_seqs), "--max-model-len", str(settings.context_len()),
             "--block-size", str(settings.block_size), "--prefill-budget", str(settings.prefill_budget),
-            "--dtype", settings.resolved_dtype(), "--threads", str(threads)]
+            "--dtype", settings.resolved_dtype(), "--threads", str(threads),
+            "--attention-kernel", settings.attention_kernel]
 
 
 def _wait_ceiling(process: subprocess.Popen, out_path: Path, log_path: Path, timeout_s: float) -> None:

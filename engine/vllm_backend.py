@@ -40,7 +40,7 @@ class VllmBackend:
     def __init__(self, config: WorkerConfig, worker_id: int):
         self.config = config
         self.worker_id = worker_id
-        self.kernel = _KernelChoice(config.attention_kernel)
+        self.kernel = KernelChoice(config.attention_kernel)
         # The reference before the engine: computing one needs memory for a while.
         reference, self.self_check = self._reference()
         self.full_step_s = 0.0  # a step of a whole prefill budget, timed in the self-check
@@ -331,7 +331,7 @@ def run_probes(engine: LLMEngine, reference: selfcheck.Reference,
     return observed
 
 
-class _KernelChoice:
+class KernelChoice:
     """Applies engine/kernels.py's policy by wrapping vLLM's chooser (`cpu_attn._get_attn_isa`)."""
 
     def __init__(self, requested: str):

@@ -40,3 +40,22 @@ def test_the_concurrency_1_prompts_are_not_the_saturation_runs_so_ttft_is_never_
 
     seen = {tuple(r["prompt_ids"][:32]) for r in reqs["throughput"]}
     assert not any(tuple(r["prompt_ids"][:32]) in seen for r in reqs["sequential"])
+
+
+def test_the_engine_ceiling_runs_the_real_engine_under_tokenlines_kernel_policy(tmp_path):
+    # "The box's best" must be an engine that answers right: on an AMX CPU, vLLM 0.32.0's own choice
+    # (its AMX attention kernel) does not (engine/kernels.py), so the ceiling runs tokenline's policy.
+    import json
+
+    from tokenline.bench.compare import CompareSpec, ceiling_requests
+    from tokenline.bench.servers import EngineSettings, run_ceiling
+
+    settings = EngineSettings(model="tiny", kv_cache_mb=64, max_seqs=8)
+    reqs = ceiling_requests(CompareSpec(settings=settings, requests=4, output_len=8, c1_requests=1, c1_output_len=4))
+    path = tmp_path / "requests.json"
+    path.write_text(json.dumps(reqs))
+
+    result = run_ceiling(settings, path, tmp_path / "ceiling.json", tmp_path / "ceiling.log", timeout_s=600)
+
+    assert result["throughput"]["completed"] == 4 and result["throughput"]["total_output_tokens"] == 4 * 8
+    assert result["attention_kernel"] and not result["attention_kernel"].startswith("amx")
