@@ -260,7 +260,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     settings = EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs,
                               max_model_len=args.max_model_len, block_size=args.block_size,
-                              prefill_budget=args.prefill_budget)
+                              prefill_budget=args.prefill_budget, attention_kernel=args.ceiling_attention_kernel)
     spec = CompareSpec(
         settings=settings, requests=args.requests, input_len=args.input_len, output_len=args.output_len,
         c1_requests=args.c1_requests, c1_output_len=args.c1_output_len, mixed_duration_s=args.mixed_duration_s,
