@@ -104,6 +104,9 @@ class WorkerSpec:
     continuous: bool = True  # False: a batch runs to completion before the next is admitted
     dtype: str = ""  # the dtype the model runs in
     attention_kernel: str = ""  # the CPU attention kernel ("vec", "amx", ...), or the engine's backend
+    # It starts its next step as soon as it has reported, before the frontend has read the report
+    # (engine/worker.py StepLoop): what is admitted on a report lands in the step after next.
+    runs_ahead: bool = False
     self_check: str = ""  # the verdict of the model self-check against the float32 reference
     # A step computing a whole prefill budget, as the worker timed one while it loaded (its
     # self-check's first step, scaled to the budget; 0: not measured): the watchdog's scale before

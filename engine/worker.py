@@ -21,6 +21,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from queue import SimpleQueue
 from typing import Any
@@ -68,7 +69,7 @@ def worker_main(conn: Connection, worker_id: int, config: WorkerConfig,
             log.error("worker %d could not start:\n%s", worker_id, traceback.format_exc())
         _send_quietly(conn, WorkerFailed(worker_id, f"{type(e).__name__}: {e}"))
         _exit(1)
-    conn.send(spec)
+    conn.send(replace(spec, runs_ahead=True))  # StepLoop steps on without waiting for an answer to its report
     try:
         StepLoop(conn, backend, fault_injection=config.fault_marker is not None).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -70,6 +70,7 @@ class Scheduler(AdmissionControl):
         self._tenant_inflight: Counter[str] = Counter()
         self._tenant_queued_tokens: Counter[str] = Counter()
         self._decided_at: dict[str, float] = {}  # model -> when its dispatch rule was last applied
+        self._reporting: int | None = None  # the worker whose report is being handled (it is at a step boundary)
 
     # ------------------------------------------------------------------ events
 
@@ -197,7 +198,11 @@ class Scheduler(AdmissionControl):
                 self._finish(e, now)
             else:
                 self._recount_blocks(e, w)
-        result.actions = self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model)
+        self._reporting = w.spec.worker_id
+        try:
+            result.actions = self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model)
+        finally:
+            self._reporting = None
         return result
 
     def _learn(self, w: WorkerView, report: StepReport, now: float) -> None:
@@ -300,7 +305,7 @@ class Scheduler(AdmissionControl):
         no worker may unblock one behind it elsewhere, and slots held for waiting bulk return to
         interactive once bulk has gone). One Dispatch per worker that got anything."""
         workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
-        r = _Round(workers, {wid: self._budget(self.workers[wid]) for wid in workers},
+        r = _Round(workers, {wid: self._budget(self.workers[wid], at_boundary=wid == self._reporting) for wid in workers},
                    {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
         actions: list[Action] = []
         while any([self._admit_class(model_name, model, cls, r, now, actions) for cls in CLASSES]):  # both classes every pass
@@ -438,9 +443,17 @@ class Scheduler(AdmissionControl):
         done = start + est.first_token_s(len(w.running) + 1, self._prefill_owed(w) + e.prompt_tokens + e.generated)
         return done, len(w.running), -w.slots_free()
 
-    def _budget(self, w: WorkerView) -> StepBudget:
+    def _budget(self, w: WorkerView, *, at_boundary: bool = False) -> StepBudget:
+        """What `w` can take now. Prompts admitted but not yet applied (`pending_prefill`) go into its
+        next step. A worker starts its next step as soon as it has reported, before this frontend has
+        read the report, so what is admitted on its report (`at_boundary`) lands in the step after
+        next: only pending prompts beyond one step's budget spill into that one. (Counting them all,
+        a worker at saturation took a step's prompts every other step: one 256-token prompt a step
+        where its budget holds two, and its batch filled at half speed.)"""
         free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
         pending = sum(w.pending_prefill.values())
+        if at_boundary and w.spec.runs_ahead:
+            pending = max(pending - w.spec.prefill_token_budget, 0)
         return StepBudget(
             slots=w.slots_free(),
             blocks=free_blocks,
