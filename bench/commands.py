@@ -266,7 +266,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         c1_requests=args.c1_requests, c1_output_len=args.c1_output_len, mixed_duration_s=args.mixed_duration_s,
         mixed_load=args.mixed_load, interactive_share=args.interactive_share, slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, seed=args.seed, tokenline_engine=args.tokenline_engine,
-        vllm_same_settings=args.vllm_same_settings,
+        vllm_same_settings=args.vllm_same_settings, vllm_attention_kernel=args.vllm_attention_kernel,
         skip=frozenset(s.strip() for s in args.skip.split(",") if s.strip()),
     )  # fmt: skip
     folder = out_dir(args, "compare")

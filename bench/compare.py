@@ -65,6 +65,7 @@ class CompareSpec:
     skip: frozenset[str] = frozenset()
     tokenline_engine: str = "vllm"
     vllm_same_settings: bool = False  # True: vllm serve gets tokenline's engine settings, not its own defaults
+    vllm_attention_kernel: str = "vllm"  # vllm serve's CPU attention kernel: its own choice, or tokenline's policy ("auto")
 
     def __post_init__(self) -> None:
         unknown = set(self.skip) - set(STEPS)
@@ -198,7 +199,8 @@ def _start(kind: str, spec: CompareSpec, out_dir: Path) -> ServerProcess:
         return start_tokenline(spec.settings, log_path, engine=spec.tokenline_engine)
     plan = spec.settings.plan()
     return start_vllm(spec.settings, log_path, own_defaults=not spec.vllm_same_settings,
-                      kv_cache_mb=None if spec.vllm_same_settings else plan.kv_cache_bytes * plan.workers // (1 << 20))
+                      kv_cache_mb=None if spec.vllm_same_settings else plan.kv_cache_bytes * plan.workers // (1 << 20),
+                      attention_kernel=spec.vllm_attention_kernel)
 
 
 def mixed_slo(spec: CompareSpec, ceiling: dict | None, runs: dict[str, Outcome]) -> Slo:

@@ -158,16 +158,18 @@ def start_tokenline(settings: EngineSettings, log_path: Path, *, engine: str = "
 
 
 def start_vllm(settings: EngineSettings, log_path: Path, *, timeout_s: float = 600.0, own_defaults: bool = False,
-               kv_cache_mb: int | None = None) -> ServerProcess:
+               kv_cache_mb: int | None = None, attention_kernel: str = "vllm") -> ServerProcess:
     """vLLM's OpenAI-compatible server (through the AMX-safe launcher) on a free port.
 
     With `own_defaults`, only what it needs to start here is given (model, dtype, a KV size: its
     default asks for 90 % of RAM; priority scheduling, which the bench's requests use): the rest,
-    batch sizes, block size, compilation and threads, are vLLM's own.
+    batch sizes, block size, compilation and threads, are vLLM's own. `attention_kernel`: "vllm" (its
+    own choice), or tokenline's policy ("auto") or a kernel name, in every process it starts.
     """
     port = free_port()
     path = settings.model_path()
     cmd = [sys.executable, "-m", "tokenline.bench.vllm_serve", "--model", str(path), "--served-model-name", path.name,
+           *(["--tokenline-attention-kernel", attention_kernel] if attention_kernel != "vllm" else []),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", settings.resolved_dtype(),
            "--kv-cache-memory-bytes", str((kv_cache_mb or settings.worker_kv_mb()) * MiB),
            "--scheduling-policy", "priority", "--disable-log-stats", "--disable-uvicorn-access-log"]

@@ -1,6 +1,6 @@
 """Run vLLM's OpenAI-compatible server with AMX enabled in every process: `bench compare`'s baseline.
 
-    python -m tokenline.bench.vllm_serve --model FOLDER --port 8000 [vLLM api_server flags]
+    python -m tokenline.bench.vllm_serve [--tokenline-attention-kernel auto] --model FOLDER --port 8000 [vLLM api_server flags]
 
 On these CPUs Linux must grant AMX to a process before the attention kernel uses
 it, or a short first prompt kills the process with SIGILL (torch.cpu._init_amx asks for it).
@@ -8,6 +8,10 @@ This launcher grants it here, and a `sitecustomize` on PYTHONPATH grants it in
 every Python process vLLM starts (spawned processes do not inherit it), then it
 runs `vllm.entrypoints.openai.api_server` unchanged. Run only as a subprocess:
 nothing else in the bench imports vLLM.
+
+`--tokenline-attention-kernel K` (auto, or a kernel name) makes every process choose its CPU
+attention kernel as tokenline's worker does (engine/kernels.py): on an AMX CPU vLLM 0.32.0's own
+choice answers wrongly, and a comparison with it compares speed at different answers.
 """
 
 from __future__ import annotations
@@ -25,6 +29,20 @@ if os.environ.get("TOKENLINE_INIT_AMX") == "1":
         import torch
         torch.cpu._init_amx()
     except Exception:
+        pass
+if os.environ.get("TOKENLINE_VLLM_ATTENTION_KERNEL"):
+    try:
+        import vllm
+        from vllm.v1.attention.backends import cpu_attn
+        from tokenline.engine.kernels import choose_attention_kernel
+        _requested = os.environ["TOKENLINE_VLLM_ATTENTION_KERNEL"]
+        _vllm_choice = cpu_attn._get_attn_isa
+        def _choose(*args, **kwargs):
+            isa, why = choose_attention_kernel(_requested, _vllm_choice(*args, **kwargs), vllm.__version__)
+            print(f"tokenline: attention kernel {isa}" + (f" ({why})" if why else ""), flush=True)
+            return isa
+        cpu_attn._get_attn_isa = _choose
+    except ImportError:
         pass
 """
 
@@ -46,7 +64,12 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(site_dir), os.environ.get("PYTHONPATH"))))
     os.environ["TOKENLINE_INIT_AMX"] = "1"
     grant_amx()
-    sys.argv = ["vllm.entrypoints.openai.api_server", *sys.argv[1:]]
+    args = sys.argv[1:]
+    if "--tokenline-attention-kernel" in args:
+        at = args.index("--tokenline-attention-kernel")
+        os.environ["TOKENLINE_VLLM_ATTENTION_KERNEL"] = args[at + 1]
+        del args[at:at + 2]
+    sys.argv = ["vllm.entrypoints.openai.api_server", *args]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 
