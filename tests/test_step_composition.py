@@ -245,7 +245,10 @@ def test_a_stream_slower_than_the_tail_share_cuts_the_plan_and_a_faster_one_lets
     worker.itl_share = 0.9
     assert finish(1.0 * TARGET_S) == pytest.approx(0.9 * cfg.itl_tail_share / 1.0)  # cut in proportion
     before = worker.itl_share
-    assert finish(0.5 * TARGET_S) == pytest.approx(before + cfg.itl_share_step)  # grows a step
+    assert finish(0.5 * TARGET_S) == pytest.approx(before * (1 + cfg.itl_share_step))  # far below: grows a whole step
+    before = worker.itl_share
+    near = cfg.itl_tail_share - 0.01  # near the set point: by half the room left to it
+    assert finish(near * TARGET_S) == pytest.approx(before * (1 + 0.5 * (cfg.itl_tail_share / near - 1)))
     worker.itl_share = cfg.itl_share_max
     assert finish(0.5 * TARGET_S) == cfg.itl_share_max  # never past its bounds
     worker.itl_share = cfg.itl_share_min

@@ -225,7 +225,8 @@ class Scheduler(AdmissionControl):
     def _learn_itl_share(self, w: WorkerView, e: Entry, now: float) -> None:
         """Move the worker's planning share of the ITL target by what a finished interactive stream
         saw: its mean time per token over its target. Above `itl_tail_share` of it, the share is cut
-        in proportion (the slowest streams come back inside); below, it grows a step (bulk gets more).
+        in proportion (the slowest streams come back inside); below, it grows by half its room to
+        that set point, at most `itl_share_step` of itself (bulk gets more, fast when far below).
         Streams too short to say much, and runs that did not stream from one worker, teach nothing."""
         if e.cls != TrafficClass.INTERACTIVE or e.first_token_at is None or e.tokens_this_run < ITL_SAMPLE_TOKENS:
             return
@@ -239,7 +240,7 @@ class Scheduler(AdmissionControl):
         if seen > cfg.itl_tail_share:
             share *= cfg.itl_tail_share / seen
         else:
-            share += cfg.itl_share_step
+            share *= 1.0 + min(cfg.itl_share_step, 0.5 * (cfg.itl_tail_share / seen - 1.0))
         w.itl_share = min(max(share, cfg.itl_share_min), cfg.itl_share_max)
 
     def on_timer(self) -> list[Action]:
