@@ -34,14 +34,10 @@ if os.environ.get("TOKENLINE_VLLM_ATTENTION_KERNEL"):
     try:
         import vllm
         from vllm.v1.attention.backends import cpu_attn
-        from tokenline.engine.kernels import choose_attention_kernel
-        _requested = os.environ["TOKENLINE_VLLM_ATTENTION_KERNEL"]
-        _vllm_choice = cpu_attn._get_attn_isa
-        def _choose(*args, **kwargs):
-            isa, why = choose_attention_kernel(_requested, _vllm_choice(*args, **kwargs), vllm.__version__)
-            print(f"tokenline: attention kernel {isa}" + (f" ({why})" if why else ""), flush=True)
-            return isa
-        cpu_attn._get_attn_isa = _choose
+        from tokenline.engine.kernels import wrap_vllm_chooser
+        wrap_vllm_chooser(cpu_attn, os.environ["TOKENLINE_VLLM_ATTENTION_KERNEL"], vllm.__version__,
+                          lambda kernel, why: print(f"tokenline: attention kernel {kernel}" + (f" ({why})" if why else ""),
+                                                    flush=True))
     except ImportError:
         pass
 """

@@ -11,6 +11,9 @@ right by the reproduction script and the self-check, drop its version from the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 # vLLM versions whose "amx" attention kernel gives wrong answers in bf16.
 WRONG_AMX_ATTENTION = frozenset({"0.32.0"})
 
@@ -30,6 +33,25 @@ def choose_attention_kernel(requested: str, vllm_choice: str, vllm_version: str)
     if requested != vllm_choice:
         return requested, f"forced; vLLM would take {vllm_choice!r}"
     return requested, ""
+
+
+def wrap_vllm_chooser(cpu_attn: Any, requested: str, vllm_version: str,
+                      on_choice: Callable[[str, str], None] | None = None) -> None:
+    """Route vLLM's CPU attention chooser (`cpu_attn._get_attn_isa`) through `choose_attention_kernel`.
+
+    `cpu_attn` is vLLM's `vllm.v1.attention.backends.cpu_attn` module, imported by the caller (this
+    module never imports vLLM); `on_choice(kernel, why)` hears each choice. Used by tokenline's worker
+    (engine/vllm_backend.py KernelChoice), the bench's engine ceiling and its `vllm serve` launcher.
+    """
+    vllm_choice = cpu_attn._get_attn_isa
+
+    def choose(*args: Any, **kwargs: Any) -> str:
+        kernel, why = choose_attention_kernel(requested, vllm_choice(*args, **kwargs), vllm_version)
+        if on_choice is not None:
+            on_choice(kernel, why)
+        return kernel
+
+    cpu_attn._get_attn_isa = choose
 
 
 # The step plan reorders vLLM's scheduler state between steps (engine/vllm_backend.py's _SchedulerView):

@@ -23,7 +23,7 @@ from typing import Any
 from tokenline.engine import selfcheck
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter, StopAcrossAttempts, delivered_text
-from tokenline.engine.kernels import choose_attention_kernel, step_plans_enabled
+from tokenline.engine.kernels import step_plans_enabled, wrap_vllm_chooser
 from tokenline.engine.machine import choose_dtype, visible_gpus
 from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
@@ -347,15 +347,10 @@ class KernelChoice:
             return
         if requested == "amx" and not torch.cpu._is_amx_tile_supported():
             raise ValueError("attention kernel 'amx' needs a CPU with AMX (amx_bf16, amx_tile); use 'vec' or 'auto'")
-        vllm_choice = cpu_attn._get_attn_isa
+        wrap_vllm_chooser(cpu_attn, requested, vllm.__version__, self._record)
 
-        def choose(dtype: Any, block_size: int, head_size: int | None = None, kv_cache_dtype: str | None = None) -> str:
-            isa, self.note = choose_attention_kernel(requested, vllm_choice(dtype, block_size, head_size, kv_cache_dtype),
-                                                     vllm.__version__)
-            self.chosen = isa
-            return isa
-
-        cpu_attn._get_attn_isa = choose
+    def _record(self, kernel: str, why: str) -> None:
+        self.chosen, self.note = kernel, why
 
     def describe(self) -> str:
         if self.chosen is None:

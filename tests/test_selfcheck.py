@@ -133,6 +133,20 @@ def test_auto_avoids_the_amx_attention_kernel_where_that_vllm_release_answers_wr
     assert "would take 'amx'" in why
 
 
+def test_every_process_that_wraps_vllms_chooser_gets_the_policys_kernel_and_hears_why():
+    # The worker, the bench's engine ceiling and its vllm serve launcher all wrap vLLM's chooser so.
+    from types import SimpleNamespace
+
+    from tokenline.engine.kernels import wrap_vllm_chooser
+
+    cpu_attn = SimpleNamespace(_get_attn_isa=lambda dtype, block_size, head_size=None, kv_cache_dtype=None: "amx")
+    heard = []
+    wrap_vllm_chooser(cpu_attn, "auto", "0.32.0", lambda kernel, why: heard.append((kernel, why)))
+
+    assert cpu_attn._get_attn_isa("bf16", 128, 64, "auto") == "vec"
+    assert heard == [("vec", "vLLM 0.32.0 would take 'amx', which answers wrongly in bf16")]
+
+
 def test_auto_keeps_vllms_choice_everywhere_else_and_the_choice_can_be_forced_or_left_to_vllm():
     from tokenline.engine.kernels import choose_attention_kernel
 

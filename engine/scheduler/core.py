@@ -70,7 +70,6 @@ class Scheduler(AdmissionControl):
         self._tenant_inflight: Counter[str] = Counter()
         self._tenant_queued_tokens: Counter[str] = Counter()
         self._decided_at: dict[str, float] = {}  # model -> when its dispatch rule was last applied
-        self._reporting: int | None = None  # the worker whose report is being handled (it is at a step boundary)
 
     # ------------------------------------------------------------------ events
 
@@ -198,11 +197,7 @@ class Scheduler(AdmissionControl):
                 self._finish(e, now)
             else:
                 self._recount_blocks(e, w)
-        self._reporting = w.spec.worker_id
-        try:
-            result.actions = self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model)
-        finally:
-            self._reporting = None
+        result.actions = self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model, reporting=w.spec.worker_id)
         return result
 
     def _learn(self, w: WorkerView, report: StepReport, now: float) -> None:
@@ -285,28 +280,29 @@ class Scheduler(AdmissionControl):
 
     # ------------------------------------------------------------- dispatching
 
-    def _dispatch(self, model_name: str, now: float | None = None) -> list[Action]:
+    def _dispatch(self, model_name: str, now: float | None = None, *, reporting: int | None = None) -> list[Action]:
         """Every event's decision: expire what is overdue, admit what the dispatch rule releases,
-        and, if interactive work still fits nowhere, preempt bulk for it and admit once more."""
+        and, if interactive work still fits nowhere, preempt bulk for it and admit once more.
+        `reporting`: the worker whose report this is (it is at a step boundary)."""
         now = self.clock() if now is None else now
         model = self.models[model_name]
         self._decided_at[model_name] = now
         actions: list[Action] = self._expire_overdue(now)
-        admitted = self._admit_queued(model_name, model, now)
+        admitted = self._admit_queued(model_name, model, now, reporting)
         if self.config.preempt_bulk:
             stopped = self._preempt_for_interactive(model_name, model, now)
             if stopped:
                 actions += admitted + stopped
-                admitted = self._admit_queued(model_name, model, now)
+                admitted = self._admit_queued(model_name, model, now, reporting)
         self._note_capacity(model, now)
         return actions + self._compose(model) + admitted  # the plan before the admissions: in place when they land
 
-    def _admit_queued(self, model_name: str, model: ModelState, now: float) -> list[Action]:
+    def _admit_queued(self, model_name: str, model: ModelState, now: float, reporting: int | None = None) -> list[Action]:
         """Interactive on every worker first, then bulk; passes until nothing moves (a head that fits
         no worker may unblock one behind it elsewhere, and slots held for waiting bulk return to
         interactive once bulk has gone). One Dispatch per worker that got anything."""
         workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
-        r = _Round(workers, {wid: self._budget(self.workers[wid], at_boundary=wid == self._reporting) for wid in workers},
+        r = _Round(workers, {wid: self._budget(self.workers[wid], at_boundary=wid == reporting) for wid in workers},
                    {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
         actions: list[Action] = []
         while any([self._admit_class(model_name, model, cls, r, now, actions) for cls in CLASSES]):  # both classes every pass
