@@ -224,9 +224,10 @@ def test_the_plan_learns_from_the_streams_how_close_to_the_target_their_steps_ma
     share = sim.scheduler.workers[0].itl_share
     # every stream keeps its target, what it sees being its mean time per token...
     assert max(itls) <= TARGET_S
-    # ...and the slowest ones come close to it: the steps are planned no shorter than the streams
-    # need (what is left of each step goes to bulk)
-    assert sorted(itls)[len(itls) // 2] >= 0.85 * TARGET_S
+    # ...and the typical one comes close to it: the steps are planned no shorter than the streams
+    # need (what is left of each step goes to bulk). With the share fixed at its starting 0.85, the
+    # median stream here sees 0.87, 0.84 and 0.81 of T at these noise levels; learnt, 0.90 to 0.92.
+    assert sorted(itls)[len(itls) // 2] >= 0.88 * TARGET_S
     assert SchedulerConfig().itl_share_min < share <= SchedulerConfig().itl_share_max
 
 
