@@ -119,6 +119,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--kv-cache-mb", type=int, default=serve["kv_cache_mb"],
                      help="KV cache per tokenline worker in MiB (default: tokenline serve's plan from the machine)")
     cmp.add_argument("--max-seqs", type=int, default=serve["max_seqs"], help="sequences at once (default %(default)s)")
+    cmp.add_argument("--interactive-slots", type=int, default=serve["interactive_slots"],
+                     help="tokenline's slots beyond --max-seqs for interactive only; vllm serve and the engine get the sum (default %(default)s)")
     cmp.add_argument("--max-model-len", type=int, default=serve["max_model_len"], help="context limit (default %(default)s)")
     cmp.add_argument("--block-size", type=int, default=serve["block_size"], help="KV block size (default %(default)s)")
     cmp.add_argument("--prefill-budget", type=int, default=serve["prefill_budget"], help="tokens per step (default %(default)s)")
@@ -150,7 +152,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                          epilog=MIXED_EXAMPLES, formatter_class=_formatter)
     mix.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
     mix.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache of the one tokenline worker (default: the machine's plan)")
-    mix.add_argument("--max-seqs", type=int, default=48, help="sequences at once (default %(default)s)")
+    mix.add_argument("--max-seqs", type=int, default=48, help="sequences at once, bulk at most these (default %(default)s)")
+    mix.add_argument("--interactive-slots", type=int, default=serve["interactive_slots"],
+                     help="tokenline's slots beyond --max-seqs for interactive only; vllm serve gets the sum (default %(default)s)")
     mix.add_argument("--bulk-concurrency", type=int, default=48, help="bulk streams in the closed loop (default %(default)s)")
     mix.add_argument("--bulk-input-len", type=int, default=256, help="bulk prompt tokens (default %(default)s)")
     mix.add_argument("--bulk-output-len", type=int, default=256, help="bulk output tokens (default %(default)s)")

@@ -240,7 +240,8 @@ def cmd_mixed(args: argparse.Namespace) -> int:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if skip - {"vllm", "tokenline"}:
         raise UsageError(f"--skip takes 'vllm' or 'tokenline', not {args.skip!r}")
-    spec = MixedSpec(settings=EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs),
+    spec = MixedSpec(settings=EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs,
+                                                   interactive_slots=args.interactive_slots),
                      bulk_concurrency=args.bulk_concurrency, bulk_lengths=(args.bulk_input_len, args.bulk_output_len),
                      interactive_rate=args.interactive_rate,
                      interactive_lengths=(args.interactive_input_len, args.interactive_output_len),
@@ -259,6 +260,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tokenline.bench.servers import EngineSettings
 
     settings = EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs,
+                              interactive_slots=args.interactive_slots,
                               max_model_len=args.max_model_len, block_size=args.block_size,
                               prefill_budget=args.prefill_budget, attention_kernel=args.ceiling_attention_kernel)
     spec = CompareSpec(

@@ -72,7 +72,7 @@ def measure(workers: int, *, ray_address: str | None, rate: float, batch: int, c
             duration_s: float, scale: float, seed: int, log_dir: Path, quiet: bool = True) -> RayCapacityRow:
     with contextlib.ExitStack() as stack:
         address = ray_address or stack.enter_context(local_cluster(workers))
-        settings = EngineSettings(model="tiny", max_seqs=batch, prefill_budget=max(512, batch * 8))
+        settings = EngineSettings(model="tiny", max_seqs=batch, interactive_slots=0, prefill_budget=max(512, batch * 8))
         server = stack.enter_context(start_tokenline(
             settings, log_dir / f"tokenline-ray-{workers}.log", engine="sim", timeout_s=300,
             extra_args=("--workers", str(workers), "--ray-address", address,

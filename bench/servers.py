@@ -46,6 +46,9 @@ class EngineSettings:
     model: str | None = None  # a model name tokenline knows ("tiny"; None = the default) or a folder
     kv_cache_mb: int | None = None  # per tokenline worker; None: tokenline's plan from the machine
     max_seqs: int = 64
+    # tokenline's slots beyond max_seqs for interactive streams only; `vllm serve` and the engine
+    # ceiling get max_seqs + these, so that every server runs as many sequences at once.
+    interactive_slots: int = 16
     max_model_len: int = 4096
     block_size: int = 128
     prefill_budget: int = 512
@@ -70,7 +73,11 @@ class EngineSettings:
 
         return plan_workers(read_machine(), kv_cache_bytes=self.kv_cache_mb * MiB if self.kv_cache_mb else None,
                             kv_bytes_per_token=kv_bytes_per_token(self.model_path(), self.resolved_dtype()),
-                            max_seqs=self.max_seqs, max_model_len=self.max_model_len)
+                            max_seqs=self.engine_seqs, max_model_len=self.max_model_len)
+
+    @property
+    def engine_seqs(self) -> int:
+        return self.max_seqs + self.interactive_slots
 
     def worker_kv_mb(self) -> int:
         return self.kv_cache_mb or self.plan().kv_cache_bytes // MiB
@@ -142,7 +149,7 @@ def start_tokenline(settings: EngineSettings, log_path: Path, *, engine: str = "
     cmd = [sys.executable, "-m", "tokenline.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
            "--engine", engine, "--model", str(settings.model_path()),
            *(("--kv-cache-mb", str(settings.kv_cache_mb)) if settings.kv_cache_mb else ()), "--max-seqs", str(settings.max_seqs),
-           "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size),
+           "--interactive-slots", str(settings.interactive_slots), "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size),
            "--prefill-budget", str(settings.prefill_budget), "--dtype", settings.dtype, "--log-level", "WARNING", *extra_args]
     process = _launch(cmd, log_path)
     deadline = time.monotonic() + timeout_s
@@ -174,7 +181,7 @@ def start_vllm(settings: EngineSettings, log_path: Path, *, timeout_s: float = 6
            "--kv-cache-memory-bytes", str((kv_cache_mb or settings.worker_kv_mb()) * MiB),
            "--scheduling-policy", "priority", "--disable-log-stats", "--disable-uvicorn-access-log"]
     if not own_defaults:
-        cmd += ["--enforce-eager", "--block-size", str(settings.block_size), "--max-num-seqs", str(settings.max_seqs),
+        cmd += ["--enforce-eager", "--block-size", str(settings.block_size), "--max-num-seqs", str(settings.engine_seqs),
                 "--max-model-len", str(settings.context_len()), "--max-num-batched-tokens", str(settings.prefill_budget)]
     process = _launch(cmd, log_path)
     address = f"http://127.0.0.1:{port}"
@@ -227,7 +234,7 @@ def run_ceiling_engines(settings: EngineSettings, requests_path: Path, out_dir: 
 def _ceiling_cmd(settings: EngineSettings, requests_path: Path, out_path: Path, threads: int, kv_cache_mb: int) -> list[str]:
     return [sys.executable, "-m", "tokenline.bench.ceiling", "--model", str(settings.model_path()),
             "--requests", str(requests_path), "--out", str(out_path), "--kv-cache-mb", str(kv_cache_mb),
-            "--max-seqs", str(settings.max_seqs), "--max-model-len", str(settings.context_len()),
+            "--max-seqs", str(settings.engine_seqs), "--max-model-len", str(settings.context_len()),
             "--block-size", str(settings.block_size), "--prefill-budget", str(settings.prefill_budget),
             "--dtype", settings.resolved_dtype(), "--threads", str(threads),
             "--attention-kernel", settings.attention_kernel]

@@ -33,6 +33,10 @@ class WorkerConfig:
     backend: str = "vllm"  # "vllm" | "sim"
     kv_cache_bytes: int = 512 * MiB
     max_seqs: int = 64
+    # Sequence slots beyond max_seqs that only interactive streams may use (the engine runs up to
+    # max_seqs + interactive_slots at once). Bulk fills at most max_seqs, so an interactive arrival
+    # finds a slot without preempting bulk, whose restart costs a re-prefill of all it had done.
+    interactive_slots: int = 16
     threads: int = 1  # OpenMP threads of the worker's engine (OMP_NUM_THREADS); engine/machine.py picks the default
     max_model_len: int = 4096
     block_size: int = 128  # tokens per KV block; vLLM on CPU wants a multiple of 32
@@ -51,6 +55,11 @@ class WorkerConfig:
     sim_prefill_per_token_s: float = 0.00002
     sim_fixed_batch: bool = False  # True: a batch runs to completion before the next one starts
 
+    @property
+    def engine_seqs(self) -> int:
+        """Sequences the engine runs at once: bulk's max_seqs plus the slots only interactive may use."""
+        return self.max_seqs + self.interactive_slots
+
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is empty: give the folder of a Hugging Face model (config.json, tokenizer, weights)")
@@ -68,14 +77,16 @@ class WorkerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.interactive_slots, int) or isinstance(self.interactive_slots, bool) or self.interactive_slots < 0:
+            raise ValueError(f"interactive_slots must be a non-negative integer, got {self.interactive_slots!r}")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (32 on CPU), got {self.block_size}")
         if self.kv_cache_bytes < MiB:
             raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} is below 1 MiB: give the KV cache size in bytes, e.g. {512 * MiB} for 512 MiB")
-        if self.prefill_token_budget < self.max_seqs:
+        if self.prefill_token_budget < self.engine_seqs:
             raise ValueError(
-                f"prefill_token_budget ({self.prefill_token_budget}) must be at least max_seqs ({self.max_seqs}): "
-                "every running sequence needs one token of a step's budget"
+                f"prefill_token_budget ({self.prefill_token_budget}) must be at least max_seqs + interactive_slots "
+                f"({self.max_seqs} + {self.interactive_slots}): every running sequence needs one token of a step's budget"
             )
         if self.fault_marker is not None and not self.fault_marker:
             raise ValueError("fault_marker is an empty string: use None to turn fault injection off")

@@ -125,7 +125,8 @@ class SimBackend:
             model_version=self.config.model_version or _model_version(self.config.model_path),
             kv_blocks_total=self.kv_blocks_total,
             block_size=self.config.block_size,
-            max_seqs=self.config.max_seqs,
+            max_seqs=self.config.engine_seqs,
+            interactive_slots=self.config.interactive_slots,
             max_model_len=self.max_model_len,
             prefill_token_budget=self.config.prefill_token_budget,
             vocab_size=self.model.vocab_size,
@@ -218,7 +219,7 @@ class SimBackend:
             if budget <= 0:
                 break
         self.waiting.sort(key=lambda s: s.urgency)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.engine_seqs:
             seq = self.waiting[0]
             chunk = min(seq.tokens, budget)
             if not self._grow(seq, chunk):
@@ -262,7 +263,7 @@ class SimBackend:
         prefill: dict[str, int] = {}
         if not self.running:
             self.waiting.sort(key=lambda s: s.urgency)
-            while self.waiting and len(self.running) < self.config.max_seqs:
+            while self.waiting and len(self.running) < self.config.engine_seqs:
                 seq = self.waiting[0]
                 if not self._grow(seq, min(seq.tokens + seq.item.sampling.max_tokens, self.max_model_len)):
                     break

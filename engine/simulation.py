@@ -129,11 +129,12 @@ class SimWorker:
     kv_blocks_peak: int = 0  # most KV blocks its sequences held in one step (what vLLM would have to allocate)
 
 
-def worker_spec(worker_id: int, *, max_seqs: int, continuous: bool, kv_blocks: int = 1_000_000, block_size: int = 16, prefill_token_budget: int = 1_000_000, model: str = "sim") -> WorkerSpec:
+def worker_spec(worker_id: int, *, max_seqs: int, continuous: bool, kv_blocks: int = 1_000_000, block_size: int = 16, prefill_token_budget: int = 1_000_000, model: str = "sim",
+                interactive_slots: int = 0) -> WorkerSpec:
     return WorkerSpec(
         worker_id=worker_id, model=model, model_version="sim", kv_blocks_total=kv_blocks, block_size=block_size,
         max_seqs=max_seqs, max_model_len=1_000_000, prefill_token_budget=prefill_token_budget, vocab_size=1000,
-        eos_token_id=None, continuous=continuous,
+        eos_token_id=None, continuous=continuous, interactive_slots=interactive_slots,
     )
 
 

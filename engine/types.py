@@ -95,12 +95,15 @@ class WorkerSpec:
     model_version: str
     kv_blocks_total: int
     block_size: int
-    max_seqs: int
+    max_seqs: int  # sequences it runs at once, interactive_slots included
     max_model_len: int
     prefill_token_budget: int
     vocab_size: int
     eos_token_id: int | None
     pid: int = 0
+    # Of max_seqs, the slots bulk may not take (WorkerConfig.interactive_slots): held for interactive
+    # streams, so that one arriving needs no bulk preempted for its slot.
+    interactive_slots: int = 0
     continuous: bool = True  # False: a batch runs to completion before the next is admitted
     dtype: str = ""  # the dtype the model runs in
     attention_kernel: str = ""  # the CPU attention kernel ("vec", "amx", ...), or the engine's backend

@@ -69,6 +69,7 @@ class VllmBackend:
             kv_blocks_total=self.view.kv_blocks_total,
             block_size=engine.vllm_config.cache_config.block_size,
             max_seqs=engine.vllm_config.scheduler_config.max_num_seqs,
+            interactive_slots=config.interactive_slots,
             max_model_len=engine.model_config.max_model_len,
             prefill_token_budget=engine.vllm_config.scheduler_config.max_num_batched_tokens,
             vocab_size=engine.model_config.get_vocab_size(),
@@ -371,7 +372,7 @@ def _build_engine(config: WorkerConfig) -> LLMEngine:
         enforce_eager=True,  # start-up in seconds, not a minute; same speed at these sizes
         kv_cache_memory_bytes=config.kv_cache_bytes,
         block_size=config.block_size,
-        max_num_seqs=config.max_seqs,
+        max_num_seqs=config.engine_seqs,
         max_model_len=min(config.max_model_len, _model_context_len(config.model_path)),
         max_num_batched_tokens=config.prefill_token_budget,
         scheduling_policy="priority",

@@ -63,7 +63,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "Without --workers, one worker per --threads CPUs of the cluster")
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache per worker in MiB (default: a share of available memory, split between workers)")
-    p.add_argument("--max-seqs", type=int, default=WorkerConfig.max_seqs, help="sequences a worker runs at once (default %(default)s)")
+    p.add_argument("--max-seqs", type=int, default=WorkerConfig.max_seqs, help="sequences a worker runs at once, bulk at most these (default %(default)s)")
+    p.add_argument("--interactive-slots", type=int, default=WorkerConfig.interactive_slots,
+                   help="sequence slots per worker beyond --max-seqs that only interactive streams use, so that one "
+                        "arriving into a bulk flood preempts no bulk for a slot (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=WorkerConfig.max_model_len, help="context limit in tokens (default %(default)s)")
     p.add_argument("--block-size", type=int, default=WorkerConfig.block_size, help="KV block size in tokens (default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default=WorkerConfig.dtype, help="dtype the model runs in; auto: bf16 on a GPU or a CPU with AVX-512 or AMX, float32 on a CPU "
@@ -165,10 +168,10 @@ def run_serve(args: argparse.Namespace) -> int:
         plan = plan_workers(machine, workers=workers, threads=args.threads,
                             kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
                             standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path, dtype),
-                            max_seqs=args.max_seqs, max_model_len=args.max_model_len)
+                            max_seqs=args.max_seqs + args.interactive_slots, max_model_len=args.max_model_len)
         worker = WorkerConfig(
             model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=plan.kv_cache_bytes,
-            threads=plan.threads, max_seqs=args.max_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+            threads=plan.threads, max_seqs=args.max_seqs, interactive_slots=args.interactive_slots, max_model_len=args.max_model_len, block_size=args.block_size,
             prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker, dtype=dtype,
             attention_kernel=args.attention_kernel, self_check=args.self_check,
             **_sim_costs(args),

@@ -92,7 +92,7 @@ class AdmissionControl:
             w = self.workers[wid]
             if w.accepting():
                 # Free slots count only while using one keeps running requests' deadlines.
-                usable = w.slots_free() if self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens) else 0
+                usable = w.slots_free(e.cls) if self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens) else 0
                 free_at += [now] * usable
                 free_at += sorted(x.est_finish for x in w.running.values())
             else:

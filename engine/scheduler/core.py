@@ -392,7 +392,8 @@ class Scheduler(AdmissionControl):
         """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?"""
         if self._isolated(e) and (w.running or admitted):
             return False  # a suspect waits for an idle worker
-        reserve = self._bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else 0
+        # Interactive leaves bulk its floor; bulk leaves interactive its held slots.
+        reserve = self._bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else w.held_for_interactive()
         if budget.slots - 1 < reserve or not budget.fits(e):
             return False
         if e.cls == TrafficClass.INTERACTIVE and not self._keeps_itl_target(e, w):

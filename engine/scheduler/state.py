@@ -42,8 +42,19 @@ class WorkerView:
             return False
         return self.spec.continuous or not self.running
 
-    def slots_free(self) -> int:
-        return self.spec.max_seqs - len(self.running) if self.accepting() else 0
+    def slots_free(self, cls: TrafficClass | None = None) -> int:
+        """Free sequence slots; for bulk, less those held for interactive streams."""
+        if not self.accepting():
+            return 0
+        free = self.spec.max_seqs - len(self.running)
+        return max(free - self.held_for_interactive(), 0) if cls == TrafficClass.BULK else free
+
+    def held_for_interactive(self) -> int:
+        """Slots bulk may not take: the worker's interactive slots not used by interactive streams."""
+        if not self.spec.interactive_slots:
+            return 0
+        streams = sum(1 for e in self.running.values() if e.cls == TrafficClass.INTERACTIVE)
+        return max(self.spec.interactive_slots - streams, 0)
 
 
 @dataclass
