@@ -114,6 +114,51 @@ def usable_cpus() -> int:
 
 
 def available_memory() -> int:
+    """MemAvailable from /proc/meminfo, cut by what the cgroup's memory.max still allows and by what
+    the NUMA nodes of this process's CPUs have (vLLM's CPU worker checks its KV cache against its
+    node's memory, not the machine's, and refuses to start if it does not fit there)."""
+    return min(_system_available_memory(), node_available_memory())
+
+
+def node_available_memory(root: Path = Path("/sys/devices/system/node"), cpus: set[int] | None = None) -> int:
+    """Memory available on the NUMA nodes holding `cpus` (default: this process's), counted as vLLM's
+    CPU worker counts it (MemFree + file pages + reclaimable slab, vllm/utils/cpu_resource_utils.py).
+    Seen on a 2-core VM: /proc/meminfo says 23.5 GiB, its one node 8.0 GiB; a worker planned 10 GiB
+    of KV from the first failed to start. Large (no limit) where the kernel shows no nodes."""
+    if cpus is None:
+        try:
+            cpus = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return 1 << 62
+    total, found = 0, False
+    for node in sorted(root.glob("node[0-9]*")):
+        try:
+            node_cpus = _cpu_list(((node / "cpulist").read_text()))
+            if not node_cpus & cpus:
+                continue
+            info = {}
+            for line in (node / "meminfo").read_text().splitlines():
+                parts = line.split()  # "Node 0 MemFree:   6114440 kB"
+                if len(parts) >= 4:
+                    info[parts[2].rstrip(":")] = int(parts[3]) * 1024
+            total += sum(info.get(k, 0) for k in ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable"))
+            found = True
+        except (OSError, ValueError):
+            continue
+    return total if found else 1 << 62
+
+
+def _cpu_list(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}"""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _system_available_memory() -> int:
     """MemAvailable from /proc/meminfo, cut by what the cgroup's memory.max still allows."""
     available = None
     try:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from tokenline.engine.machine import GiB, MiB, Machine, choose_dtype, cpu_flags, kv_bytes_per_token, plan_workers, read_machine
+from tokenline.engine.machine import GiB, MiB, Machine, choose_dtype, cpu_flags, kv_bytes_per_token, node_available_memory, plan_workers,
+                                     read_machine
 
 
 def test_one_single_thread_worker_per_usable_cpu():
@@ -85,3 +86,23 @@ def test_a_dtype_asked_for_is_kept_and_a_gpu_runs_bf16():
 
 def test_this_machines_flags_are_read():
     assert "sse2" in cpu_flags()  # every x86-64 CPU has it
+
+
+def _node(root, n: int, cpus: str, free_kb: int, file_kb: int = 0) -> None:
+    d = root / f"node{n}"
+    d.mkdir(parents=True)
+    (d / "cpulist").write_text(cpus + "\n")
+    (d / "meminfo").write_text(f"Node {n} MemTotal:  {8 << 20} kB\nNode {n} MemFree:  {free_kb} kB\n"
+                               f"Node {n} Active(file):  {file_kb} kB\nNode {n} Inactive(file):  0 kB\n"
+                               f"Node {n} SReclaimable:  0 kB\n")
+
+
+def test_memory_is_what_the_nodes_of_our_cpus_have_not_the_whole_machine(tmp_path):
+    # vLLM's CPU worker checks its KV cache against its NUMA node's memory: a plan from the whole
+    # machine's (a VM showed 23.5 GiB there and 8 GiB on its one node) asked more and failed to start.
+    _node(tmp_path, 0, "0-1", free_kb=6 << 20, file_kb=1 << 20)
+    _node(tmp_path, 1, "2-3", free_kb=30 << 20)
+    assert node_available_memory(tmp_path, cpus={0, 1}) == 7 * GiB
+    assert node_available_memory(tmp_path, cpus={1, 2}) == 37 * GiB
+    assert node_available_memory(tmp_path / "absent", cpus={0}) > 1 << 50  # no nodes shown: no limit from them
+    assert read_machine().available_bytes <= node_available_memory()
