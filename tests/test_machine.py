@@ -2,8 +2,9 @@
 
 import pytest
 
-from tokenline.engine.machine import GiB, MiB, Machine, choose_dtype, cpu_flags, kv_bytes_per_token, node_available_memory, plan_workers,
-                                     read_machine
+from tokenline.engine.machine import (
+    GiB, MiB, Machine, choose_dtype, cpu_flags, kv_bytes_per_token, node_available_memory, plan_workers, read_machine,
+)
 
 
 def test_one_single_thread_worker_per_usable_cpu():
