@@ -44,7 +44,7 @@ def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported
         torch.cpu._init_amx()
     args.kernel = KernelChoice(args.attention_kernel)  # wraps vLLM's chooser before the engine asks it
     return LLM(
-        model=args.model, dtype=choose_dtype(args.dtype)[0], enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mb * MiB,
+        model=args.model, dtype=choose_dtype(args.dtype)[0], enforce_eager=not args.compile, kv_cache_memory_bytes=args.kv_cache_mb * MiB,
         block_size=args.block_size, max_num_seqs=args.max_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.prefill_budget, scheduling_policy="priority", disable_log_stats=True,
     )  # fmt: skip
@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="as tokenline's --dtype; auto: from the CPU (default %(default)s)")
     p.add_argument("--attention-kernel", default="auto",
                    help="as tokenline's --attention-kernel; auto: vLLM's choice less known-wrong kernels (default %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model as `vllm serve` does by default (tokenline's worker runs eager)")
     p.add_argument("--warmup", type=int, default=4, help="short unrecorded requests first (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine (default %(default)s)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th throughput request, from the I-th; no sequential run")
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if warm:
         llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in warm], [sampling(r) for r in warm], use_tqdm=False)
     result = {"engine": "vllm in-process (offline)", "startup_s": startup, "threads": args.threads,
-              "attention_kernel": args.kernel.describe()}
+              "attention_kernel": args.kernel.describe(), "compiled": args.compile}
     if args.shard and args.ready_dir:
         _wait_for_shards(args.ready_dir, index, count)
     if workload.get("throughput"):
