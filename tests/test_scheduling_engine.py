@@ -14,11 +14,33 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def small_server():
-    # 8 sequence slots, so a flood of 32 bulk requests keeps every slot busy.
-    server = ServerProcess("--model", "tiny", "--kv-cache-mb", "32", "--max-seqs", "8", "--max-model-len", "1024",
-                           "--queue-requests", "48", "--bulk-window-ms", "5").start()
+    # 8 sequence slots and none held for interactive, so a flood of 32 bulk requests keeps every
+    # slot busy and an interactive arrival must take its slot from bulk.
+    server = ServerProcess("--model", "tiny", "--kv-cache-mb", "32", "--max-seqs", "8", "--interactive-slots", "0",
+                           "--max-model-len", "1024", "--queue-requests", "48", "--bulk-window-ms", "5").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def held_slots_server():
+    # The same, with 2 slots beyond bulk's 8 held for interactive streams.
+    server = ServerProcess("--model", "tiny", "--kv-cache-mb", "32", "--max-seqs", "8", "--interactive-slots", "2",
+                           "--max-model-len", "1024", "--queue-requests", "48", "--bulk-window-ms", "5").start()
+    yield server
+    server.stop()
+
+
+async def _flood_then_people(address: str) -> tuple[list, list]:
+    """32 bulk streams of 160 tokens; a second later, 5 interactive requests one after another."""
+    async with AsyncClient(address) as client:
+        bulk = [asyncio.create_task(_stream(client, f"bulk {i}", max_tokens=160, traffic_class="bulk")) for i in range(32)]
+        await asyncio.sleep(1.0)  # the flood is running and queued
+        interactive = []
+        for i in range(5):
+            interactive.append(await _stream(client, f"person {i}", max_tokens=8))
+            await asyncio.sleep(0.2)
+        return await asyncio.gather(*bulk), interactive
 
 
 async def _stream(client, prompt, **kw):
@@ -26,17 +48,7 @@ async def _stream(client, prompt, **kw):
 
 
 def test_interactive_gets_its_first_token_within_a_few_steps_during_a_bulk_flood(small_server):
-    async def run():
-        async with AsyncClient(small_server.address) as client:
-            bulk = [asyncio.create_task(_stream(client, f"bulk {i}", max_tokens=160, traffic_class="bulk")) for i in range(32)]
-            await asyncio.sleep(1.0)  # the flood is running and queued
-            interactive = []
-            for i in range(5):
-                interactive.append(await _stream(client, f"person {i}", max_tokens=8))
-                await asyncio.sleep(0.2)
-            return await asyncio.gather(*bulk), interactive
-
-    bulk, interactive = asyncio.run(run())
+    bulk, interactive = asyncio.run(_flood_then_people(small_server.address))
     # Bulk still completes, every token delivered once, in order.
     for deltas in bulk:
         assert [d.index for d in deltas if d.token_ids] == sorted(d.index for d in deltas if d.token_ids)
@@ -56,6 +68,21 @@ def test_interactive_gets_its_first_token_within_a_few_steps_during_a_bulk_flood
         parts = (t.enqueued_ms + t.admission_wait_ms + t.queueing_ms + t.prefill_ms + t.decode_ms
                  + t.lost_preemption_ms + t.lost_retry_ms + t.return_ms)
         assert parts == pytest.approx(t.completion_ms, abs=0.01), t
+
+
+def test_with_slots_held_for_interactive_a_stream_cuts_through_the_flood_and_no_bulk_run_is_stopped(held_slots_server):
+    bulk, interactive = asyncio.run(_flood_then_people(held_slots_server.address))
+    for deltas in bulk:
+        assert [d.index for d in deltas if d.token_ids] == sorted(d.index for d in deltas if d.token_ids)
+        assert sum(len(d.token_ids) for d in deltas) == 160
+    assert all(sum(len(d.token_ids) for d in deltas) == 8 for deltas in interactive)
+    bulk_waits = [d[-1].timeline.admitted_ms - d[-1].timeline.enqueued_ms for d in bulk]
+    inter_waits = [d[-1].timeline.admitted_ms - d[-1].timeline.enqueued_ms for d in interactive]
+    itl = statistics.median(d[-1].timeline.itl_mean_ms for d in bulk)
+    assert max(inter_waits) < 5 * itl + 50, (inter_waits, itl)
+    assert max(inter_waits) < max(bulk_waits) / 4
+    # Each took a held slot: no bulk run was preempted (and redone) for it.
+    assert not any(d[-1].timeline.preemptions for d in bulk)
 
 
 def test_beyond_the_queue_limit_refusals_come_back_at_once_with_a_retry_hint(small_server):
