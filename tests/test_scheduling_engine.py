@@ -12,21 +12,24 @@ from tests.support import ServerProcess
 pytestmark = pytest.mark.engine
 
 
+def _eight_slot_server(interactive_slots: int) -> ServerProcess:
+    # 8 sequence slots for bulk, so a flood of 32 bulk requests keeps every one busy.
+    return ServerProcess("--model", "tiny", "--kv-cache-mb", "32", "--max-seqs", "8", "--interactive-slots", str(interactive_slots),
+                         "--max-model-len", "1024", "--queue-requests", "48", "--bulk-window-ms", "5").start()
+
+
 @pytest.fixture(scope="module")
 def small_server():
-    # 8 sequence slots and none held for interactive, so a flood of 32 bulk requests keeps every
-    # slot busy and an interactive arrival must take its slot from bulk.
-    server = ServerProcess("--model", "tiny", "--kv-cache-mb", "32", "--max-seqs", "8", "--interactive-slots", "0",
-                           "--max-model-len", "1024", "--queue-requests", "48", "--bulk-window-ms", "5").start()
+    # None held for interactive: an interactive arrival must take its slot from bulk.
+    server = _eight_slot_server(0)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def held_slots_server():
-    # The same, with 2 slots beyond bulk's 8 held for interactive streams.
-    server = ServerProcess("--model", "tiny", "--kv-cache-mb", "32", "--max-seqs", "8", "--interactive-slots", "2",
-                           "--max-model-len", "1024", "--queue-requests", "48", "--bulk-window-ms", "5").start()
+    # 2 slots beyond bulk's 8 held for interactive streams.
+    server = _eight_slot_server(2)
     yield server
     server.stop()
 
