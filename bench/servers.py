@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenline.engine.config import MiB
+from tokenline.engine.config import MiB, WorkerConfig
 
 # What every engine process on these CPU machines needs: one OpenMP thread (the bench sizes workers),
 # no hub or telemetry traffic, and a loopback address for vLLM's own sockets.
@@ -45,10 +45,10 @@ class EngineSettings:
 
     model: str | None = None  # a model name tokenline knows ("tiny"; None = the default) or a folder
     kv_cache_mb: int | None = None  # per tokenline worker; None: tokenline's plan from the machine
-    max_seqs: int = 64
+    max_seqs: int = WorkerConfig.max_seqs
     # tokenline's slots beyond max_seqs for interactive streams only; `vllm serve` and the engine
     # ceiling get max_seqs + these, so that every server runs as many sequences at once.
-    interactive_slots: int = 16
+    interactive_slots: int = WorkerConfig.interactive_slots
     max_model_len: int = 4096
     block_size: int = 128
     prefill_budget: int = 512
