@@ -241,11 +241,12 @@ def cmd_mixed(args: argparse.Namespace) -> int:
     if skip - {"vllm", "tokenline"}:
         raise UsageError(f"--skip takes 'vllm' or 'tokenline', not {args.skip!r}")
     spec = MixedSpec(settings=EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs,
-                                                   interactive_slots=args.interactive_slots),
+                                                   interactive_slots=args.interactive_slots, threads=args.threads),
                      bulk_concurrency=args.bulk_concurrency, bulk_lengths=(args.bulk_input_len, args.bulk_output_len),
                      interactive_rate=args.interactive_rate,
                      interactive_lengths=(args.interactive_input_len, args.interactive_output_len),
-                     duration_s=args.duration_s, itl_target_steps=tuple(args.itl_target_steps), ttft_target_ms=args.ttft_target_ms,
+                     duration_s=args.duration_s, itl_target_steps=tuple(args.itl_target_steps),
+                     itl_targets_ms=tuple(args.itl_target_ms or ()), ttft_target_ms=args.ttft_target_ms,
                      servers=tuple(k for k in ("tokenline", "vllm") if k not in skip),
                      tokenline_engine=args.tokenline_engine, seed=args.seed)
     folder = out_dir(args, "mixed")
@@ -260,7 +261,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tokenline.bench.servers import EngineSettings
 
     settings = EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs,
-                              interactive_slots=args.interactive_slots,
+                              interactive_slots=args.interactive_slots, workers=args.workers, threads=args.threads,
                               max_model_len=args.max_model_len, block_size=args.block_size,
                               prefill_budget=args.prefill_budget, attention_kernel=args.ceiling_attention_kernel)
     spec = CompareSpec(

@@ -45,10 +45,19 @@ class MixedSpec:
     interactive_lengths: tuple[int, int] = (64, 64)
     duration_s: float = 60.0
     itl_target_steps: tuple[float, ...] = (2.0, 2.5, 3.0)  # ITL targets, in single-sequence ITLs
+    # ITL targets in ms, instead of itl_target_steps: the same T for every run and server, so that two
+    # configurations (or two days) compare at one target however their interactive-alone references came out.
+    itl_targets_ms: tuple[float, ...] = ()
     ttft_target_ms: float = 500.0
     servers: tuple[str, ...] = ("tokenline", "vllm")
     tokenline_engine: str = "vllm"
     seed: int = 0
+
+    def targets(self, solo_itl_ms: float) -> list[tuple[float, float]]:
+        """(T in single-sequence ITLs, T in ms) for each run: from itl_targets_ms where given, else from itl_target_steps."""
+        if self.itl_targets_ms:
+            return [(ms / solo_itl_ms if solo_itl_ms else math.nan, ms) for ms in self.itl_targets_ms]
+        return [(steps, steps * solo_itl_ms) for steps in self.itl_target_steps]
 
     def bulk(self) -> StreamSpec:
         return StreamSpec("bulk", "bulk", concurrency=self.bulk_concurrency,
@@ -93,11 +102,12 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
         report["servers"]["tokenline"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s,
                                           "step_curve_ms": {"a": curve[0] * 1000, "b": curve[1] * 1000,
                                                             "c_per_prompt_token": prompt_cost_s * 1000}}
-        for steps in spec.itl_target_steps:
-            slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=steps * solo_itl_ms)
-            out = out_dir / "tokenline" / f"itl-{steps:g}x"
+        for steps, itl_ms in spec.targets(solo_itl_ms):
+            slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=itl_ms)
+            name = f"itl-{itl_ms:g}ms" if spec.itl_targets_ms else f"itl-{steps:g}x"
+            out = out_dir / "tokenline" / name
             step_log = _fresh(out / "steps.jsonl")
-            with _start_tokenline(spec, out_dir, f"itl-{steps:g}x", step_log, slo) as server:
+            with _start_tokenline(spec, out_dir, name, step_log, slo) as server:
                 unused = await run(f"tokenline, ITL target {slo.itl_ms:.1f} ms · bulk alone", out / "bulk-alone",
                                    spec.bench(server.address, spec.bulk()))
                 mix_start = _log_len(step_log)
@@ -122,12 +132,12 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
         out = out_dir / "vllm"
         with start_vllm(spec.settings, out_dir / "logs" / "vllm.log") as server:
             bulk_alone, solo_itl_ms = await references("vllm serve", server, out)
-            slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=spec.itl_target_steps[0] * solo_itl_ms)
+            slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=spec.targets(solo_itl_ms)[0][1])
             mix = await run("vllm serve · mixed", out / "mixed", spec.bench(server.address, spec.bulk(), spec.interactive(slo)))
         alone_tok_s = steady_tok_s(bulk_alone, "bulk", spec.duration_s)
         report["servers"]["vllm"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s}
-        for steps in spec.itl_target_steps:
-            report["runs"].append(_scored("vllm", steps, Slo(ttft_ms=spec.ttft_target_ms, itl_ms=steps * solo_itl_ms),
+        for steps, itl_ms in spec.targets(solo_itl_ms):
+            report["runs"].append(_scored("vllm", steps, Slo(ttft_ms=spec.ttft_target_ms, itl_ms=itl_ms),
                                           mix, alone_tok_s, spec.duration_s))
 
     text = format_mixed(report)
@@ -244,7 +254,8 @@ def format_mixed(report: dict[str, Any]) -> str:
                             "bulk tok/s in the mix", "÷ bulk alone", "bound under T", "÷ bound",
                             "bulk alone with targets ÷ without"), rows))
         lines.append("attainment: share of interactive requests in the mix meeting the target (per-request mean ITL); "
-                     "T is a multiple of each server's own interactive-alone ITL")
+                     + ("T as given in ms, the same for every server; the multiple is of each server's own interactive-alone ITL"
+                        if report["spec"].get("itl_targets_ms") else "T is a multiple of each server's own interactive-alone ITL"))
     return "\n\n".join(lines)
 
 

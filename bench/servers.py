@@ -56,6 +56,9 @@ class EngineSettings:
     # The engine ceiling's CPU attention kernel: tokenline's policy (auto: never a kernel known to
     # answer wrongly), so that "the box's best" is the best engine that answers right.
     attention_kernel: str = "auto"
+    # tokenline's workers and OpenMP threads per worker; None: `tokenline serve`'s plan from the machine.
+    workers: int | None = None
+    threads: int | None = None
 
     def resolved_dtype(self) -> str:
         from tokenline.engine.machine import choose_dtype, visible_gpus
@@ -71,7 +74,8 @@ class EngineSettings:
         """What `tokenline serve` with these settings runs on this machine: workers, threads, KV per worker."""
         from tokenline.engine.machine import kv_bytes_per_token, plan_workers, read_machine
 
-        return plan_workers(read_machine(), kv_cache_bytes=self.kv_cache_mb * MiB if self.kv_cache_mb else None,
+        return plan_workers(read_machine(), workers=self.workers, threads=self.threads,
+                            kv_cache_bytes=self.kv_cache_mb * MiB if self.kv_cache_mb else None,
                             kv_bytes_per_token=kv_bytes_per_token(self.model_path(), self.resolved_dtype()),
                             max_seqs=self.engine_seqs, max_model_len=self.max_model_len)
 
@@ -150,7 +154,9 @@ def start_tokenline(settings: EngineSettings, log_path: Path, *, engine: str = "
            "--engine", engine, "--model", str(settings.model_path()),
            *(("--kv-cache-mb", str(settings.kv_cache_mb)) if settings.kv_cache_mb else ()), "--max-seqs", str(settings.max_seqs),
            "--interactive-slots", str(settings.interactive_slots), "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size),
-           "--prefill-budget", str(settings.prefill_budget), "--dtype", settings.dtype, "--log-level", "WARNING", *extra_args]
+           "--prefill-budget", str(settings.prefill_budget), "--dtype", settings.dtype, "--log-level", "WARNING",
+           *(("--workers", str(settings.workers)) if settings.workers else ()),
+           *(("--threads", str(settings.threads)) if settings.threads else ()), *extra_args]
     process = _launch(cmd, log_path)
     deadline = time.monotonic() + timeout_s
     pattern = re.compile(r"tokenline: serving on (\S+:\d+)")

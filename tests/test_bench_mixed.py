@@ -2,7 +2,7 @@
 
 import pytest
 
-from tokenline.bench.mixed import bulk_bound, fit_prompt_cost, fit_step_curve
+from tokenline.bench.mixed import MixedSpec, bulk_bound, fit_prompt_cost, fit_step_curve
 
 
 def _log(batches, a=0.010, b=0.002, interactive=0, start=100.0, prefills=None, c=0.0):
@@ -42,6 +42,14 @@ def test_the_bound_leaves_room_in_each_step_for_the_prompts_that_replace_ending_
     mixed = bulk_bound(curve, _log([10] * 10, interactive=2), 48, 0.030, 0.0, bulk_alone_tok_s=400.0,
                        prompt_cost_s=0.001, prompt_per_output=2.0)
     assert mixed["bound_tok_s"] == pytest.approx(4 / 0.030)
+
+
+def test_targets_are_multiples_of_the_reference_unless_given_in_ms():
+    assert MixedSpec(itl_target_steps=(2.0, 3.0)).targets(50.0) == [(2.0, 100.0), (3.0, 150.0)]
+    # in ms: the same T whatever the reference came out as, its multiple only reported
+    given = MixedSpec(itl_target_steps=(2.0, 3.0), itl_targets_ms=(150.0,))
+    assert given.targets(50.0) == [(3.0, 150.0)] and given.targets(75.0) == [(2.0, 150.0)]
+
 
 def test_a_short_mixed_run_reports_every_target_beside_the_references(tmp_path):
     """The bench end to end, short: tokenline on the simulated engine (tiny model), no target, then one ITL target."""
