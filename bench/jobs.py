@@ -118,8 +118,13 @@ def describe(r: Report) -> str:
 async def bench(args: argparse.Namespace) -> Report:
     started = time.monotonic()
     store = args.store or os.path.join(tempfile.mkdtemp(prefix="tokenline-bench-jobs-"), "jobs.sqlite3")
+    # Each frontend runs at most its share of the jobs at once, so the one to be killed surely runs some:
+    # with room for all, whichever frontend polls first may claim every job (seen on a slow 2-core box),
+    # and the kill would take nothing over.
+    share = -(-args.jobs // args.frontends)
     serve_args = ["--model", args.model, "--workers", "1", "--threads", "1", "--kv-cache-mb", "128",
-                  "--max-model-len", "1024", "--job-store", store, "--job-lease-s", str(args.lease_s)]
+                  "--max-model-len", "1024", "--job-store", store, "--job-lease-s", str(args.lease_s),
+                  "--jobs-running", str(share)]
     servers = [Server(serve_args) for _ in range(args.frontends)]
     retired: list[Server] = []
     try:

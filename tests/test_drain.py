@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 def test_sigterm_under_load_drains_and_exits_zero():
     server = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
                            "--grace-s", "60").start()
-    started = threading.Event()
+    started, running = threading.Event(), set()
     try:
         async def streams():
             async with AsyncClient(server.address) as client:
@@ -25,14 +25,16 @@ def test_sigterm_under_load_drains_and_exits_zero():
                     deltas = []
                     async for d in client.generate(f"drain {i}", max_tokens=400, ignore_eos=True):
                         deltas.append(d)
-                        started.set()
+                        running.add(i)
+                        if len(running) == 8:
+                            started.set()
                     return deltas
                 return await asyncio.gather(*(one(i) for i in range(8)))
 
         result = {}
         runner = threading.Thread(target=lambda: result.setdefault("streams", asyncio.run(streams())))
         runner.start()
-        assert started.wait(60)
+        assert started.wait(120)  # every stream has its first token: all are running, none merely on its way
         server.signal(signal.SIGTERM)
         assert wait_until(lambda: server.health() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10)
         with Client(server.address) as client, pytest.raises(Unavailable) as info:
