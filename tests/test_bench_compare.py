@@ -59,3 +59,11 @@ def test_the_engine_ceiling_runs_the_real_engine_under_tokenlines_kernel_policy(
 
     assert result["throughput"]["completed"] == 4 and result["throughput"]["total_output_tokens"] == 4 * 8
     assert result["attention_kernel"] and not result["attention_kernel"].startswith("amx")
+
+
+def test_a_shape_given_to_the_bench_is_the_shape_tokenline_is_planned_and_started_with():
+    from tokenline.bench.servers import EngineSettings
+
+    plan = EngineSettings(model="tiny", workers=1, threads=2).plan()
+    assert (plan.workers, plan.threads) == (1, 2)
+    assert EngineSettings(model="tiny").plan().threads == 1  # none given: tokenline serve's own plan
