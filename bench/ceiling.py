@@ -35,10 +35,14 @@ from tokenline.engine.machine import choose_dtype
 
 def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported late
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as tokenline's worker: the engine core in this process
+    from tokenline.engine.worker import compile_env
+
+    for name, value in compile_env().items():  # a compiled engine caches its kernels where tokenline's workers do
+        os.environ.setdefault(name, value)
     import torch
     from vllm import LLM
 
-    from tokenline.engine.vllm_backend import KernelChoice
+    from tokenline.engine.vllm_backend import COMPILATION_CONFIG, KernelChoice
 
     if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
@@ -47,6 +51,7 @@ def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported
         model=args.model, dtype=choose_dtype(args.dtype)[0], enforce_eager=not args.compile, kv_cache_memory_bytes=args.kv_cache_mb * MiB,
         block_size=args.block_size, max_num_seqs=args.max_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.prefill_budget, scheduling_policy="priority", disable_log_stats=True,
+        **({"compilation_config": COMPILATION_CONFIG} if args.compile else {}),  # compiled as tokenline's worker
     )  # fmt: skip
 
 
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-kernel", default="auto",
                    help="as tokenline's --attention-kernel; auto: vLLM's choice less known-wrong kernels (default %(default)s)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the model as `vllm serve` does by default (tokenline's worker runs eager)")
+                   help="compile the model (as `vllm serve` and `tokenline serve` do by default)")
     p.add_argument("--warmup", type=int, default=4, help="short unrecorded requests first (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine (default %(default)s)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th throughput request, from the I-th; no sequential run")

@@ -323,7 +323,7 @@ async def inject_faults(server: Server, tally: Tally, rng: random.Random, until:
 async def soak(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     tally = Tally()
-    server = Server(["--model", args.model, "--workers", "2", "--threads", "1", "--standby-workers", "1",
+    server = Server(["--model", args.model, "--compile", args.compile, "--workers", "2", "--threads", "1", "--standby-workers", "1",
                      "--step-watchdog-s", str(args.watchdog_s), "--kv-cache-mb", "64", "--max-seqs", "16",
                      "--max-model-len", "1024", "--log-level", "INFO", "--request-log-level", "WARNING"])
     rss: list[tuple[float, float]] = []
@@ -412,6 +412,8 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="how long the traffic and faults run (default %(default)s)")
     p.add_argument("--model", default="tiny", help="model to serve (default %(default)s)")
+    p.add_argument("--compile", choices=("on", "off"), default="off",
+                   help="the server's --compile (default %(default)s: a killed worker is back in seconds)")
     p.add_argument("--concurrency", type=int, default=8, help="callers sending at once (default %(default)s)")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="per caller, a bound besides time")
     p.add_argument("--fault-min-s", type=float, default=5.0, help="least time between faults (default %(default)s)")

@@ -121,6 +121,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--max-seqs", type=int, default=serve["max_seqs"], help="sequences at once (default %(default)s)")
     cmp.add_argument("--workers", type=int, default=None, help="tokenline's workers (default: tokenline serve's plan from the machine)")
     cmp.add_argument("--threads", type=int, default=None, help="OpenMP threads per tokenline worker (default: tokenline serve's plan)")
+    cmp.add_argument("--compile", choices=("on", "off"), default="on",
+                     help="tokenline's --compile, and the in-process engines' (the ceiling and the box's best) to match; "
+                          "vllm serve compiles by its own default (default %(default)s)")
     cmp.add_argument("--interactive-slots", type=int, default=serve["interactive_slots"],
                      help="tokenline's slots beyond --max-seqs for interactive only; vllm serve and the engine get the sum (default %(default)s)")
     cmp.add_argument("--max-model-len", type=int, default=serve["max_model_len"], help="context limit (default %(default)s)")
@@ -170,6 +173,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     mix.add_argument("--itl-target-ms", type=float, nargs="+", default=None,
                      help="interactive ITL targets in ms instead of --itl-target-steps: the same T for every server and run, "
                           "so that configurations or days compare at one target")
+    mix.add_argument("--compile", choices=("on", "off"), default="on", help="tokenline's --compile (default %(default)s)")
     mix.add_argument("--threads", type=int, default=None, help="OpenMP threads of the one tokenline worker (default: tokenline serve's plan); "
                           "vllm serve runs as it binds itself, so compare shapes with --skip vllm")
     mix.add_argument("--ttft-target-ms", type=float, default=500.0, help="interactive TTFT target (default %(default)s)")

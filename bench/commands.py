@@ -241,7 +241,8 @@ def cmd_mixed(args: argparse.Namespace) -> int:
     if skip - {"vllm", "tokenline"}:
         raise UsageError(f"--skip takes 'vllm' or 'tokenline', not {args.skip!r}")
     spec = MixedSpec(settings=EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs,
-                                                   interactive_slots=args.interactive_slots, threads=args.threads),
+                                                   interactive_slots=args.interactive_slots, threads=args.threads,
+                                                   compile=args.compile == "on"),
                      bulk_concurrency=args.bulk_concurrency, bulk_lengths=(args.bulk_input_len, args.bulk_output_len),
                      interactive_rate=args.interactive_rate,
                      interactive_lengths=(args.interactive_input_len, args.interactive_output_len),
@@ -263,7 +264,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     settings = EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs,
                               interactive_slots=args.interactive_slots, workers=args.workers, threads=args.threads,
                               max_model_len=args.max_model_len, block_size=args.block_size,
-                              prefill_budget=args.prefill_budget, attention_kernel=args.ceiling_attention_kernel)
+                              prefill_budget=args.prefill_budget, attention_kernel=args.ceiling_attention_kernel,
+                              compile=args.compile == "on")
     spec = CompareSpec(
         settings=settings, requests=args.requests, input_len=args.input_len, output_len=args.output_len,
         c1_requests=args.c1_requests, c1_output_len=args.c1_output_len, mixed_duration_s=args.mixed_duration_s,

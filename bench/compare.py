@@ -135,7 +135,8 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
         return outcome
 
     plan = spec.settings.plan()
-    log(f"-- this machine, as tokenline serve sizes it: {plan.describe()}")
+    shape = f"{plan.describe()}, {'compiled' if spec.settings.compile else 'eager'}"
+    log(f"-- this machine, as tokenline serve sizes it: {shape}")
     requests_path = out_dir / "ceiling-requests.json"
     requests_path.write_text(json.dumps(ceiling_requests(spec)))
     if "ceiling" not in spec.skip:
@@ -162,7 +163,7 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
         with _start(servers[0], spec, out_dir) as server:
             await measure(server, "mixed", replace(mixed, target=server.address))
 
-    report = {"settings": spec.settings.__dict__, "plan": plan.describe(), "ceiling": ceiling, "box_best": best,
+    report = {"settings": spec.settings.__dict__, "plan": shape, "ceiling": ceiling, "box_best": best,
               "mixed_slo": slo.as_dict() if slo else None,
               "runs": {name: outcome.results for name, outcome in runs.items()}, "not_measured": failed,
               "ratios": ratios(ceiling, runs, best)}

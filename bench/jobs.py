@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=200, help="jobs to submit (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per job (default %(default)s)")
     p.add_argument("--model", default="tiny", help="model to serve (default %(default)s)")
+    p.add_argument("--compile", choices=("on", "off"), default="off",
+                   help="the servers' --compile (default %(default)s: a restarted frontend is back in seconds)")
     p.add_argument("--frontends", type=int, default=2, choices=(1, 2),
                    help="2: another frontend takes the killed one's jobs over; 1: the killed one is restarted "
                         "on the same store (default %(default)s)")
@@ -122,7 +124,7 @@ async def bench(args: argparse.Namespace) -> Report:
     # with room for all, whichever frontend polls first may claim every job (seen on a slow 2-core box),
     # and the kill would take nothing over.
     share = -(-args.jobs // args.frontends)
-    serve_args = ["--model", args.model, "--workers", "1", "--threads", "1", "--kv-cache-mb", "128",
+    serve_args = ["--model", args.model, "--compile", getattr(args, "compile", "off"), "--workers", "1", "--threads", "1", "--kv-cache-mb", "128",
                   "--max-model-len", "1024", "--job-store", store, "--job-lease-s", str(args.lease_s),
                   "--jobs-running", str(share)]
     servers = [Server(serve_args) for _ in range(args.frontends)]

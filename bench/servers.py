@@ -59,6 +59,10 @@ class EngineSettings:
     # tokenline's workers and OpenMP threads per worker; None: `tokenline serve`'s plan from the machine.
     workers: int | None = None
     threads: int | None = None
+    # Compile the model (`tokenline serve --compile on`, its default) in tokenline's workers and in the
+    # in-process engines it is measured against (the ceiling, the box's best), so that "the box's best"
+    # runs the same forward pass; False: all of them eager.
+    compile: bool = True
 
     def resolved_dtype(self) -> str:
         from tokenline.engine.machine import choose_dtype, visible_gpus
@@ -155,6 +159,7 @@ def start_tokenline(settings: EngineSettings, log_path: Path, *, engine: str = "
            *(("--kv-cache-mb", str(settings.kv_cache_mb)) if settings.kv_cache_mb else ()), "--max-seqs", str(settings.max_seqs),
            "--interactive-slots", str(settings.interactive_slots), "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size),
            "--prefill-budget", str(settings.prefill_budget), "--dtype", settings.dtype, "--log-level", "WARNING",
+           "--compile", "on" if settings.compile else "off",
            *(("--workers", str(settings.workers)) if settings.workers else ()),
            *(("--threads", str(settings.threads)) if settings.threads else ()), *extra_args]
     process = _launch(cmd, log_path)
@@ -187,7 +192,7 @@ def start_vllm(settings: EngineSettings, log_path: Path, *, timeout_s: float = 6
            "--kv-cache-memory-bytes", str((kv_cache_mb or settings.worker_kv_mb()) * MiB),
            "--scheduling-policy", "priority", "--disable-log-stats", "--disable-uvicorn-access-log"]
     if not own_defaults:
-        cmd += ["--enforce-eager", "--block-size", str(settings.block_size), "--max-num-seqs", str(settings.engine_seqs),
+        cmd += [*(() if settings.compile else ("--enforce-eager",)), "--block-size", str(settings.block_size), "--max-num-seqs", str(settings.engine_seqs),
                 "--max-model-len", str(settings.context_len()), "--max-num-batched-tokens", str(settings.prefill_budget)]
     process = _launch(cmd, log_path)
     address = f"http://127.0.0.1:{port}"
@@ -243,7 +248,7 @@ def _ceiling_cmd(settings: EngineSettings, requests_path: Path, out_path: Path, 
             "--max-seqs", str(settings.engine_seqs), "--max-model-len", str(settings.context_len()),
             "--block-size", str(settings.block_size), "--prefill-budget", str(settings.prefill_budget),
             "--dtype", settings.resolved_dtype(), "--threads", str(threads),
-            "--attention-kernel", settings.attention_kernel]
+            "--attention-kernel", settings.attention_kernel, *(["--compile"] if settings.compile else [])]
 
 
 def _wait_ceiling(process: subprocess.Popen, out_path: Path, log_path: Path, timeout_s: float) -> None:

@@ -162,7 +162,8 @@ async def measure(target: str, web_url: str, args: argparse.Namespace) -> dict[s
 
 
 def _start_server(model: str) -> tuple[subprocess.Popen, str, str]:
-    args = ["--port", "0", "--web-port", "0", "--workers", "1", "--threads", "1", "--idempotency-db", "off"]
+    # Eager: the two transports are compared, not the model's speed, and the server starts in seconds.
+    args = ["--port", "0", "--web-port", "0", "--workers", "1", "--threads", "1", "--compile", "off", "--idempotency-db", "off"]
     if model != "default":
         args += ["--model", model]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -241,4 +241,5 @@ def model_from_proto(model: pb.ModelInfo) -> ModelInfo:
         dtype=model.dtype,
         attention_kernel=model.attention_kernel,
         self_check=model.self_check,
+        execution=model.execution,
     )

@@ -93,3 +93,4 @@ class ModelInfo:
     dtype: str = ""  # what its workers run: dtype, attention kernel, and the self-check's verdict
     attention_kernel: str = ""
     self_check: str = ""
+    execution: str = ""  # "compiled" or "eager"

@@ -43,6 +43,12 @@ class WorkerConfig:
     prefill_token_budget: int = 512  # tokens one step may compute (vLLM max_num_batched_tokens)
     dtype: str = "auto"  # "auto": bf16 where the CPU computes it fast, float32 elsewhere (machine.choose_dtype)
     attention_kernel: str = "auto"
+    # Compile the model's forward pass (torch.compile through vLLM, as `vllm serve` does by default)
+    # instead of running it eagerly. On the default model on a 2-core CPU it measured ~1.2x the
+    # throughput and ~half the single-stream inter-token latency, for a start of ~1-1.5 min the first
+    # time on a machine and ~10 s more than eager after (the compiled kernels are cached on disk).
+    # False here (a bare WorkerConfig, the tests' servers); `tokenline serve --compile auto` turns it on.
+    compile: bool = False
     self_check: str = "strict"
     model_version: str | None = None  # None: a content hash of the model folder
     # Fault injection: when set, a WorkItem with fault_marker=True makes the

@@ -203,9 +203,9 @@ class Supervisor:
 
     def _activate(self, wid: int, spec: WorkerSpec) -> None:
         self.specs[wid] = spec
-        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, attention kernel %s, self-check %s",
+        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, %s, attention kernel %s, self-check %s",
                  wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",
-                 spec.attention_kernel or "-", spec.self_check or "-")
+                 spec.execution or "-", spec.attention_kernel or "-", spec.self_check or "-")
         placement = getattr(self.handles.get(wid), "placement", None)
         if placement is not None:  # a Ray actor: where Ray put it
             log.info("worker %d ready: model %s on Ray node %s (host %s, pid %d)", wid, spec.model, placement.node_id,

@@ -107,6 +107,8 @@ class WorkerSpec:
     continuous: bool = True  # False: a batch runs to completion before the next is admitted
     dtype: str = ""  # the dtype the model runs in
     attention_kernel: str = ""  # the CPU attention kernel ("vec", "amx", ...), or the engine's backend
+    # How the model's forward pass runs: "compiled" or "eager" (WorkerConfig.compile).
+    execution: str = ""
     # It starts its next step as soon as it has reported, before the frontend has read the report
     # (engine/worker.py StepLoop): what is admitted on a report lands in the step after next.
     runs_ahead: bool = False

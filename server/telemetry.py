@@ -211,7 +211,8 @@ class Telemetry:
             meter.create_observable_gauge(name, callbacks=[callback], description=doc)
         meter.create_observable_gauge("tokenline_worker_info", callbacks=[self._observe_worker_info],
                                       description="1 per live worker; labels say what it runs: dtype, attention kernel, "
-                                                  "self-check verdict (passed, FAILED, off, skipped).")
+                                                  "self-check verdict (passed, FAILED, off, skipped), execution "
+                                                  "(compiled, eager).")
         meter.create_observable_counter("tokenline_stale_outputs_total", callbacks=[self._observe_stale],
                                         description="Outputs of runs no longer current (preempted, retried, cancelled), dropped.")
         meter.create_observable_counter("tokenline_worker_restarts_total", callbacks=[self._observe_restarts],
@@ -407,7 +408,8 @@ class Telemetry:
                                  usage, report.batch_size if busy else 0)  # an idle worker runs no batch
             snap.worker_info[wid] = {"model": spec.model, "worker": str(wid), "dtype": spec.dtype,
                                      "attention_kernel": spec.attention_kernel.split(" (")[0],
-                                     "self_check": spec.self_check.split(":")[0]}
+                                     "self_check": spec.self_check.split(":")[0],
+                                     "execution": spec.execution}
         snap.stale = rt.scheduler.counters.stale_outputs
         snap.restarts = rt.workers.restarts
         snap.workers_wanted = dict(rt.workers.target)

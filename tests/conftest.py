@@ -29,7 +29,7 @@ def tiny_server():
 @pytest.fixture(scope="session")
 def default_server():
     """The real default model, prepared the way `make run` prepares it."""
-    server = ServerProcess("--kv-cache-mb", "256", "--max-seqs", "8").start(timeout=600)
+    server = ServerProcess("--kv-cache-mb", "256", "--max-seqs", "8", "--compile", "on").start(timeout=600)
     yield server
     server.stop()
 

@@ -25,7 +25,9 @@ class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None):
         # One 1-thread worker unless a test asks for more: the machine-sized default would start one per CPU.
         sizing = [*(() if "--workers" in args else ("--workers", "1")), *(() if "--threads" in args else ("--threads", "1"))]
-        self.args = ["--port", "0", *sizing, *args]
+        # Eager unless a test asks for the compiled default: a compile costs a minute the first time.
+        eager = () if "--compile" in args else ("--compile", "off")
+        self.args = ["--port", "0", *sizing, *eager, *args]
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.lines: deque[str] = deque(maxlen=2000)

