@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from tokenline.engine.config import ATTENTION_KERNELS, DTYPES, SELF_CHECK_MODES, MiB, WorkerConfig
 from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
@@ -206,9 +207,20 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     how = "compiled" if worker.compile else "eager"
     print(f"tokenline: {name}: {plan.describe()}, {dtype} ({why}), {how}", flush=True)
+    if worker.compile and not _compiled_before():
+        print("tokenline: compiling the model for this machine: a minute or two this once, later starts reuse it "
+              "(--compile off starts in seconds)", flush=True)
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)
+
+
+def _compiled_before() -> bool:
+    """Whether a worker has compiled a model on this machine before (engine/worker.py compile_env)."""
+    from tokenline.engine.worker import compile_env
+
+    folder = Path(compile_env()["TORCHINDUCTOR_CACHE_DIR"])
+    return folder.is_dir() and any(folder.iterdir())
 
 
 def _autoscale_config(args: argparse.Namespace, workers: int):
