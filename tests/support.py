@@ -81,6 +81,17 @@ class ServerProcess:
         assert self.proc is not None
         os.killpg(self.proc.pid, sig) if sig == signal.SIGKILL else self.proc.send_signal(sig)
 
+    def start_refused(self, timeout: float = 300.0) -> tuple[int, str]:
+        """Start a server whose workers must fail to load; its exit status and output once it has given up."""
+        self.start_listening()
+        try:
+            code = self.wait(timeout)
+        finally:
+            self.stop()
+        out = self.output()
+        assert "tokenline: workers failed to start" in out, out
+        return code, out
+
     def wait(self, timeout: float) -> int:
         assert self.proc is not None
         return self.proc.wait(timeout)
