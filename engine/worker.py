@@ -57,6 +57,17 @@ def compile_env() -> dict[str, str]:
     return {"VLLM_USE_AOT_COMPILE": "0", "TORCHINDUCTOR_CACHE_DIR": str(cache_dir() / "compiled")}
 
 
+def use_compile_cache() -> str:
+    """Set compile_env() where the environment does not already say otherwise; the cache folder in use.
+
+    Called by the `tokenline` command before anything imports torch: torch fills
+    TORCHINDUCTOR_CACHE_DIR with its /tmp default the first time it looks, and the workers, the
+    in-process bench engines and `vllm serve` inherit the environment of the process that starts them."""
+    for name, value in compile_env().items():
+        os.environ.setdefault(name, value)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def worker_main(conn: Connection, worker_id: int, config: WorkerConfig,
                 leave: Callable[[], None] | None = None) -> None:
     """The worker process: load the model, say what it can hold, then run the step loop.

@@ -217,9 +217,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _compiled_before() -> bool:
     """Whether a worker has compiled a model on this machine before (engine/worker.py compile_env)."""
-    from tokenline.engine.worker import compile_env
+    from tokenline.engine.worker import use_compile_cache
 
-    folder = Path(compile_env()["TORCHINDUCTOR_CACHE_DIR"])
+    folder = Path(use_compile_cache())
     return folder.is_dir() and any(folder.iterdir())
 
 
@@ -355,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tokenline.engine.worker import use_compile_cache
+
+    use_compile_cache()  # before torch is imported here, so that every process started from here shares it
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
