@@ -46,7 +46,7 @@ def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported
 
     if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
-    args.kernel = KernelChoice(args.attention_kernel)  # wraps vLLM's chooser before the engine asks it
+    args.kernel = KernelChoice(args.attention_kernel, compiled=args.compile)  # wraps vLLM's chooser before the engine asks it
     return LLM(
         model=args.model, dtype=choose_dtype(args.dtype)[0], enforce_eager=not args.compile, kv_cache_memory_bytes=args.kv_cache_mb * MiB,
         block_size=args.block_size, max_num_seqs=args.max_seqs, max_model_len=args.max_model_len,

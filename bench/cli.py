@@ -145,8 +145,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="start vllm serve with tokenline's engine settings instead of its own defaults")
     cmp.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")
     cmp.add_argument("--vllm-attention-kernel", default="vllm",
-                     help="vllm serve's CPU attention kernel: vllm (its own choice, which answers wrongly on an AMX CPU "
-                          "in vLLM 0.32.0), auto (tokenline's policy) or a kernel name (default %(default)s)")
+                     help="vllm serve's CPU attention kernel: vllm (its own choice, which on an AMX CPU answers wrongly "
+                          "in vLLM 0.32.0 when run eagerly), auto (tokenline's policy) or a kernel name (default %(default)s)")
     cmp.add_argument("--ceiling-attention-kernel", default="auto",
                      help="the in-process engines' CPU attention kernel: auto (tokenline's policy: never one known to "
                           "answer wrongly), vllm (vLLM's own choice), or a kernel name (default %(default)s)")

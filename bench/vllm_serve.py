@@ -11,7 +11,8 @@ nothing else in the bench imports vLLM.
 
 `--tokenline-attention-kernel K` (auto, or a kernel name) makes every process choose its CPU
 attention kernel as tokenline's worker does (engine/kernels.py): on an AMX CPU vLLM 0.32.0's own
-choice answers wrongly, and a comparison with it compares speed at different answers.
+choice answers wrongly when run eagerly (`--enforce-eager`), and a comparison with it would compare
+speed at different answers.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ if os.environ.get("TOKENLINE_VLLM_ATTENTION_KERNEL"):
         from vllm.v1.attention.backends import cpu_attn
         from tokenline.engine.kernels import wrap_vllm_chooser
         wrap_vllm_chooser(cpu_attn, os.environ["TOKENLINE_VLLM_ATTENTION_KERNEL"], vllm.__version__,
-                          lambda kernel, why: print(f"tokenline: attention kernel {kernel}" + (f" ({why})" if why else ""),
+                          compiled=os.environ.get("TOKENLINE_VLLM_EAGER") != "1",
+                          on_choice=lambda kernel, why: print(f"tokenline: attention kernel {kernel}" + (f" ({why})" if why else ""),
                                                     flush=True))
     except ImportError:
         pass
@@ -65,6 +67,7 @@ def main() -> None:
         at = args.index("--tokenline-attention-kernel")
         os.environ["TOKENLINE_VLLM_ATTENTION_KERNEL"] = args[at + 1]
         del args[at:at + 2]
+        os.environ["TOKENLINE_VLLM_EAGER"] = "1" if "--enforce-eager" in args else "0"
     sys.argv = ["vllm.entrypoints.openai.api_server", *args]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 

@@ -40,7 +40,7 @@ class VllmBackend:
     def __init__(self, config: WorkerConfig, worker_id: int):
         self.config = config
         self.worker_id = worker_id
-        self.kernel = KernelChoice(config.attention_kernel)
+        self.kernel = KernelChoice(config.attention_kernel, compiled=config.compile)
         # The reference before the engine: computing one needs memory for a while.
         reference, self.self_check = self._reference()
         self.full_step_s = 0.0  # a step of a whole prefill budget, timed in the self-check
@@ -336,7 +336,7 @@ def run_probes(engine: LLMEngine, reference: selfcheck.Reference,
 class KernelChoice:
     """Applies engine/kernels.py's policy by wrapping vLLM's chooser (`cpu_attn._get_attn_isa`)."""
 
-    def __init__(self, requested: str):
+    def __init__(self, requested: str, *, compiled: bool):
         self.requested = requested
         self.chosen: str | None = None  # recorded when vLLM asks, while the engine is built
         self.note = ""
@@ -349,7 +349,7 @@ class KernelChoice:
             return
         if requested == "amx" and not torch.cpu._is_amx_tile_supported():
             raise ValueError("attention kernel 'amx' needs a CPU with AMX (amx_bf16, amx_tile); use 'vec' or 'auto'")
-        wrap_vllm_chooser(cpu_attn, requested, vllm.__version__, self._record)
+        wrap_vllm_chooser(cpu_attn, requested, vllm.__version__, compiled=compiled, on_choice=self._record)
 
     def _record(self, kernel: str, why: str) -> None:
         self.chosen, self.note = kernel, why

@@ -44,7 +44,8 @@ def test_the_concurrency_1_prompts_are_not_the_saturation_runs_so_ttft_is_never_
 
 def test_the_engine_ceiling_runs_the_real_engine_under_tokenlines_kernel_policy(tmp_path):
     # "The box's best" must be an engine that answers right: on an AMX CPU, vLLM 0.32.0's own choice
-    # (its AMX attention kernel) does not (engine/kernels.py), so the ceiling runs tokenline's policy.
+    # (its AMX attention kernel) does not when run eagerly (engine/kernels.py), so the ceiling runs
+    # tokenline's policy: this eager one never takes it.
     import json
 
     from tokenline.bench.compare import CompareSpec, ceiling_requests

@@ -124,13 +124,20 @@ def test_a_cached_reference_is_not_used_once_the_folder_changes(tmp_path):
     assert fresh.probes == ()
 
 
-def test_auto_avoids_the_amx_attention_kernel_where_that_vllm_release_answers_wrongly():
+def test_auto_avoids_the_amx_attention_kernel_in_an_eager_engine_where_that_vllm_release_answers_wrongly():
+    # Eager, vLLM 0.32.0's AMX kernel tips the France question's near-tie to "L'Étoile, ..." (engine/kernels.py).
     from tokenline.engine.kernels import choose_attention_kernel
 
-    kernel, why = choose_attention_kernel("auto", "amx", "0.32.0")
+    kernel, why = choose_attention_kernel("auto", "amx", "0.32.0", compiled=False)
 
     assert kernel == "vec"
-    assert "would take 'amx'" in why
+    assert "would take 'amx'" in why and "eagerly" in why
+
+
+def test_auto_keeps_the_amx_kernel_in_a_compiled_engine_where_it_answers_right_and_runs_faster():
+    from tokenline.engine.kernels import choose_attention_kernel
+
+    assert choose_attention_kernel("auto", "amx", "0.32.0", compiled=True) == ("amx", "")
 
 
 def test_every_process_that_wraps_vllms_chooser_gets_the_policys_kernel_and_hears_why():
@@ -139,18 +146,21 @@ def test_every_process_that_wraps_vllms_chooser_gets_the_policys_kernel_and_hear
 
     from tokenline.engine.kernels import wrap_vllm_chooser
 
-    cpu_attn = SimpleNamespace(_get_attn_isa=lambda dtype, block_size, head_size=None, kv_cache_dtype=None: "amx")
     heard = []
-    wrap_vllm_chooser(cpu_attn, "auto", "0.32.0", lambda kernel, why: heard.append((kernel, why)))
+    for compiled in (False, True):
+        cpu_attn = SimpleNamespace(_get_attn_isa=lambda dtype, block_size, head_size=None, kv_cache_dtype=None: "amx")
+        wrap_vllm_chooser(cpu_attn, "auto", "0.32.0", compiled=compiled,
+                          on_choice=lambda kernel, why: heard.append((kernel, why)))
+        cpu_attn._get_attn_isa("bf16", 128, 64, "auto")
 
-    assert cpu_attn._get_attn_isa("bf16", 128, 64, "auto") == "vec"
-    assert heard == [("vec", "vLLM 0.32.0 would take 'amx', which answers wrongly in bf16")]
+    assert heard == [("vec", "vLLM 0.32.0 would take 'amx', which answers wrongly when run eagerly"), ("amx", "")]
 
 
 def test_auto_keeps_vllms_choice_everywhere_else_and_the_choice_can_be_forced_or_left_to_vllm():
     from tokenline.engine.kernels import choose_attention_kernel
 
-    assert choose_attention_kernel("auto", "vec", "0.32.0") == ("vec", "")
-    assert choose_attention_kernel("auto", "amx", "0.99.0") == ("amx", "")  # a release not known to be wrong
-    assert choose_attention_kernel("vllm", "amx", "0.32.0") == ("amx", "")
-    assert choose_attention_kernel("vec16", "vec", "0.32.0")[0] == "vec16"
+    for compiled in (False, True):
+        assert choose_attention_kernel("auto", "vec", "0.32.0", compiled=compiled) == ("vec", "")
+        assert choose_attention_kernel("auto", "amx", "0.99.0", compiled=compiled) == ("amx", "")  # not known wrong
+        assert choose_attention_kernel("vllm", "amx", "0.32.0", compiled=compiled) == ("amx", "")
+        assert choose_attention_kernel("vec16", "vec", "0.32.0", compiled=compiled)[0] == "vec16"
