@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenline.engine.scheduler.composition import NO_LIMIT, WorkerLoad, compose_step
+from tokenline.engine.scheduler.composition import NO_LIMIT, WorkerLoad, compose_step, stream_allowance
 from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
 from tokenline.engine.scheduler.estimator import StepEstimator
 from tokenline.engine.simulation import Simulation, SimRequest, linear_cost, worker_spec
@@ -211,7 +211,7 @@ def test_after_a_long_flood_at_one_batch_size_a_sequence_is_still_not_taken_for_
     for _ in range(500):  # only ever 24 sequences: the fit cannot tell a from b, and forgets every other size
         est.observe(24, 0, single - per_seq + per_seq * 24)
     assert est.step_s(24) == pytest.approx(single - per_seq + per_seq * 24, rel=0.01)  # what it saw, it predicts
-    plan = compose_step(WorkerLoad(interactive=1, interactive_prefill=0, bulk=24), est, target,
+    plan = compose_step(WorkerLoad(interactive=1, interactive_prefill=0, bulk=24), est, target, share=0.85,
                         single_step_s=single)  # the single-sequence step, measured earlier and kept
 
     assert plan.bulk_decode is not None and 1 <= plan.bulk_decode < 24
@@ -241,51 +241,52 @@ def _mean_itls(sim: Simulation) -> list[float]:
     return [(o.completed - o.first_token) / (o.tokens - 1) for o in chats]
 
 
-@pytest.mark.parametrize("noise", [0.0, 0.3, 0.6])
-def test_the_plan_learns_from_the_streams_how_close_to_the_target_their_steps_may_run(noise):
-    sim = _chats_under_noise(noise)
-
-    itls = _mean_itls(sim)
-    share = sim.scheduler.workers[0].itl_share
+@pytest.mark.parametrize(("noise", "median_at_least"), [(0.0, 0.94), (0.3, 0.94), (0.6, 0.90)])
+def test_streams_run_close_to_their_target_and_never_past_it_however_noisy_the_steps(noise, median_at_least):
+    itls = _mean_itls(_chats_under_noise(noise))
     # every stream keeps its target, what it sees being its mean time per token...
     assert max(itls) <= TARGET_S
     # ...and the typical one comes close to it: the steps are planned no shorter than the streams
-    # need (what is left of each step goes to bulk). With the share fixed at its starting 0.85, the
-    # median stream here sees 0.87, 0.84 and 0.81 of T at these noise levels; learnt, 0.90 to 0.92.
-    assert sorted(itls)[len(itls) // 2] >= 0.88 * TARGET_S
-    assert SchedulerConfig().itl_share_min < share <= SchedulerConfig().itl_share_max
+    # need (what is left of each step goes to bulk). Planned by a share of the target learnt from
+    # finished streams, the median stream here saw 0.90 to 0.92 of T. (Very noisy steps leave the
+    # streams apart, and a step is planned for the one furthest behind: the others end lower.)
+    assert sorted(itls)[len(itls) // 2] >= median_at_least * TARGET_S
 
 
-def test_a_stream_slower_than_the_tail_share_cuts_the_plan_and_a_faster_one_lets_it_grow():
-    sim = _chats_under_noise(0.0)
-    core, worker = sim.scheduler, sim.scheduler.workers[0]
-    cfg = core.config
-
-    def finish(seconds_per_token: float) -> float:
-        from tokenline.engine.scheduler.records import Entry
-        e = Entry("probe", "sim", "t", TrafficClass.INTERACTIVE, prompt_tokens=8, max_tokens=33, arrival=0.0)
-        e.first_token_at, e.tokens_this_run = 100.0, 33
-        core._learn_itl_share(worker, e, 100.0 + 32 * seconds_per_token)
-        return worker.itl_share
-
-    worker.itl_share = 0.9
-    assert finish(1.0 * TARGET_S) == pytest.approx(0.9 * cfg.itl_tail_share / 1.0)  # cut in proportion
-    before = worker.itl_share
-    assert finish(0.5 * TARGET_S) == pytest.approx(before * (1 + cfg.itl_share_step))  # far below: grows a whole step
-    before = worker.itl_share
-    near = cfg.itl_tail_share - 0.01  # near the set point: by half the room left to it
-    assert finish(near * TARGET_S) == pytest.approx(before * (1 + 0.5 * (cfg.itl_tail_share / near - 1)))
-    worker.itl_share = cfg.itl_share_max
-    assert finish(0.5 * TARGET_S) == cfg.itl_share_max  # never past its bounds
-    worker.itl_share = cfg.itl_share_min
-    assert finish(3.0 * TARGET_S) == cfg.itl_share_min
+def test_a_stream_behind_its_pace_shortens_the_next_step_and_one_ahead_lengthens_it():
+    target, point = 0.1, 0.97
+    assert stream_allowance(target, point, None) == pytest.approx(0.097)  # no token yet: a first gap at the set point
+    on_pace = stream_allowance(target, point, gaps=9, elapsed_s=9 * point * target)
+    behind = stream_allowance(target, point, gaps=9, elapsed_s=9 * point * target + 0.02)
+    ahead = stream_allowance(target, point, gaps=9, elapsed_s=9 * point * target - 0.001)
+    assert on_pace == pytest.approx(point * target)
+    assert behind == pytest.approx(point * target - 0.02)  # a deficit is paid back in the next step
+    assert ahead == pytest.approx(point * target + 0.001)  # a lead is spent in it
+    assert stream_allowance(target, point, gaps=9, elapsed_s=0.0) == pytest.approx(0.0985)  # never a gap near the target
+    # A worker with a step under way: that step's token comes first, and what it takes is spent.
+    assert stream_allowance(target, point, gaps=9, elapsed_s=9 * point * target, before_s=0.1, steps_before=1) == \
+        pytest.approx(2 * point * target - 0.1)
 
 
-def test_the_itl_share_bounds_are_checked():
-    with pytest.raises(ValueError, match="itl_share_min"):
-        SchedulerConfig(itl_target_share=0.97)  # above the most it may grow to
-    with pytest.raises(ValueError, match="itl_tail_share"):
-        SchedulerConfig(itl_tail_share=1.2)
+def test_streams_keep_their_target_on_a_worker_whose_step_time_is_no_line():
+    # Steps of fewer than 40 sequences (those planned while streams run) take 15 % longer than the
+    # line through the bulk flood's steps: a fit that is wrong where plans are made. Planned steps
+    # are scaled by what such steps really took, and the streams' own clocks correct the rest.
+    cost = linear_cost(BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S)
+    config = SchedulerConfig(interactive=ClassConfig(itl_target_s=TARGET_S), bulk_floor=0.0)
+    sim = Simulation(config, [(worker_spec(0, max_seqs=48, continuous=True, prefill_token_budget=4096),
+                               lambda batch, prefill: cost(batch, prefill) * (1.15 if batch < 40 else 1.0))])
+    sim.run(_flood(interactive=20, interactive_every_s=1.0))
+    itls = _mean_itls(sim)
+    assert max(itls) <= TARGET_S
+    assert sorted(itls)[len(itls) // 2] >= 0.94 * TARGET_S
+
+
+def test_the_itl_set_point_is_checked():
+    with pytest.raises(ValueError, match="itl_set_point"):
+        SchedulerConfig(itl_set_point=1.2)
+    with pytest.raises(ValueError, match="itl_set_point"):
+        SchedulerConfig(itl_set_point=0.0)
 
 
 def _goal_run(goal: float | None) -> tuple[Simulation, float, float]:

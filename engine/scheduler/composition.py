@@ -2,7 +2,8 @@
 
 While interactive streams run on a worker, each of its steps is one token of theirs, so its step
 time is their inter-token latency (ITL). The rule fills a step, by the worker's fitted step-time
-model (a + b·batch + c·prefill tokens), up to `share × target`, in this order:
+model (a + b·batch + c·prefill tokens), up to the step budget the streams allow (stream_allowance:
+what keeps each one's mean time per token at the set point), in this order:
   1. every interactive sequence decodes;
   2. interactive prompts still owed prefill: whole, beside only `min_bulk` bulk sequences, when no
      interactive stream is decoding yet (no one's ITL is at stake, and the step that gives their
@@ -80,12 +81,37 @@ def bulk_rate_beside(streams: int, coef: tuple[float, float, float], step_s: flo
     return max(room, 0.0) / per_bulk / step_s if per_bulk > 0 else math.inf
 
 
+def stream_allowance(target_s: float, set_point: float, gaps: int | None, elapsed_s: float = 0.0,
+                     before_s: float = 0.0, steps_before: int = 0) -> float:
+    """The longest planned step (seconds) that keeps one stream's mean time per token at or under
+    `set_point × target_s` once the planned step's token has come.
+
+    `gaps`: gaps between its tokens so far (None: no token yet, and the planned step is at most its
+    first gap); `elapsed_s`: since its first token; `before_s`: the steps that run before the planned
+    one (`steps_before` of them: a worker that steps on before its report is read has one under
+    way). A stream behind its pace gets a shorter step (even none: the room goes negative and the
+    step holds only what may never pause), one ahead a longer one, but never one past half way from
+    the set point to the target: every gap, not only the mean, stays inside the target."""
+    if gaps is None:
+        return set_point * target_s
+    allowed = set_point * target_s * (gaps + steps_before + 1) - elapsed_s - before_s
+    return min(allowed, longest_step(target_s, set_point))
+
+
+def longest_step(target_s: float, set_point: float) -> float:
+    """The longest step planned for a stream however far ahead of its pace it is."""
+    return 0.5 * (1.0 + set_point) * target_s
+
+
 def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float | None, *,
                  share: float = 0.85, min_bulk: int = 1, ttft_target_s: float | None = None,
                  typical_prompt: int = 128, single_step_s: float | None = None,
-                 prefill_token_s: float | None = None, bulk_prompt_per_output: float = 0.0) -> StepPlan:
+                 prefill_token_s: float | None = None, bulk_prompt_per_output: float = 0.0,
+                 step_budget_s: float | None = None) -> StepPlan:
     """The plan for the worker's next steps (NO_LIMIT when no target asks for one).
 
+    Steps are filled up to `step_budget_s` (by the step-time model: the streams' allowance, see
+    stream_allowance), or `share × itl_target_s` when no budget is given.
     `bulk_prompt_per_output`: prompt tokens a bulk request brings per token it makes; the TTFT guard
     never caps a step's prompt tokens below what keeps bulk's batch full as its sequences end."""
     a, b, c = step_line(estimator, single_step_s, load.interactive + load.bulk, prefill_token_s)
@@ -94,7 +120,7 @@ def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float
         guard = max(guard, math.ceil((load.bulk + load.bulk_prefilling) * bulk_prompt_per_output))
     if itl_target_s is None or load.interactive == 0:
         return StepPlan(guard_prefill_tokens=guard) if guard is not None else NO_LIMIT
-    room = share * itl_target_s - (a + b * load.interactive)
+    room = (share * itl_target_s if step_budget_s is None else step_budget_s) - (a + b * load.interactive)
     interactive_prefill = load.interactive_prefill
     decoding = load.interactive if load.interactive_decoding is None else load.interactive_decoding
     whole = decoding == 0  # no interactive stream waits for a next token: its prompts go in whole

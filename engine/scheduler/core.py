@@ -22,7 +22,15 @@ from dataclasses import dataclass
 
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget, blocks_for
-from tokenline.engine.scheduler.composition import PREFILL_SAMPLE_TOKENS, WorkerLoad, bulk_rate_beside, compose_step, step_line
+from tokenline.engine.scheduler.composition import (
+    PREFILL_SAMPLE_TOKENS,
+    WorkerLoad,
+    bulk_rate_beside,
+    compose_step,
+    longest_step,
+    step_line,
+    stream_allowance,
+)
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.estimator import StepEstimator
 from tokenline.engine.scheduler.queues import ClassQueue
@@ -45,7 +53,7 @@ from tokenline.engine.scheduler.status import FINAL, Status, transition
 from tokenline.engine.types import FinishReason, StepReport, TrafficClass, WorkerSpec
 
 CLASSES = (TrafficClass.INTERACTIVE, TrafficClass.BULK)
-ITL_SAMPLE_TOKENS = 8  # a finished interactive stream of this many tokens or more says how its steps ran
+STEP_RATIO_MIN, STEP_RATIO_MAX = 0.5, 2.0  # one step's period over its prediction, as learnt (a stall says little)
 
 
 @dataclass
@@ -81,7 +89,7 @@ class Scheduler(AdmissionControl):
         cadence = old.cadence if old is not None else StepEstimator(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)
         self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est, cadence=cadence,
                                                   isolate_after_crashes=self.config.isolate_after_crashes,
-                                                  itl_share=old.itl_share if old is not None else self.config.itl_target_share)
+                                                  step_ratio=old.step_ratio if old is not None else 1.0)
         model = self._model(spec.model)
         if spec.worker_id not in model.workers:
             model.workers.append(spec.worker_id)
@@ -193,7 +201,6 @@ class Scheduler(AdmissionControl):
             reason = (out.finish_reason or FinishReason.STOP) if out.finished else None
             result.deliveries.append(Delivery(e.key, out.new_token_ids, out.text, reason))
             if out.finished:
-                self._learn_itl_share(w, e, now)
                 self._finish(e, now)
             else:
                 self._recount_blocks(e, w)
@@ -212,31 +219,17 @@ class Scheduler(AdmissionControl):
                 a, b, _ = step_line(w.cadence, w.single_step_s, report.batch_size)
                 per_token = max(period - (a + b * report.batch_size), 0.0) / report.prefill_tokens
                 w.prefill_token_s = per_token if w.prefill_token_s is None else 0.8 * w.prefill_token_s + 0.2 * per_token
+            if w.plan.limits:  # a planned step: how long such steps really take against the line they are planned by
+                a, b, c = step_line(w.cadence, w.single_step_s, report.batch_size, w.prefill_token_s)
+                predicted = a + b * report.batch_size + c * report.prefill_tokens
+                if predicted > 0:
+                    ratio = min(max(period / predicted, STEP_RATIO_MIN), STEP_RATIO_MAX)
+                    w.step_ratio = 0.8 * w.step_ratio + 0.2 * ratio
         w.last_report_at = now
+        w.under_way_step_s = w.plan.predicted_step_s
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
         w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
-
-    def _learn_itl_share(self, w: WorkerView, e: Entry, now: float) -> None:
-        """Move the worker's planning share of the ITL target by what a finished interactive stream
-        saw: its mean time per token over its target. Above `itl_tail_share` of it, the share is cut
-        in proportion (the slowest streams come back inside); below, it grows by half its room to
-        that set point, at most `itl_share_step` of itself (bulk gets more, fast when far below).
-        Streams too short to say much, and runs that did not stream from one worker, teach nothing."""
-        if e.cls != TrafficClass.INTERACTIVE or e.first_token_at is None or e.tokens_this_run < ITL_SAMPLE_TOKENS:
-            return
-        single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
-        target = self._itl_target([e], single)
-        if target is None:
-            return
-        seen = (now - e.first_token_at) / (e.tokens_this_run - 1) / target
-        cfg = self.config
-        share = w.itl_share
-        if seen > cfg.itl_tail_share:
-            share *= cfg.itl_tail_share / seen
-        else:
-            share *= 1.0 + min(cfg.itl_share_step, 0.5 * (cfg.itl_tail_share / seen - 1.0))
-        w.itl_share = min(max(share, cfg.itl_share_min), cfg.itl_share_max)
 
     def on_timer(self) -> list[Action]:
         """Expire what passed its deadline and fire admission windows that ran out."""
@@ -356,8 +349,10 @@ class Scheduler(AdmissionControl):
                               interactive_decoding=sum(1 for e in interactive if e.prefilled),
                               bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding)
             single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
+            budget = self._step_budget(w, interactive, single)
             plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
-                                share=w.itl_share, min_bulk=self.config.min_bulk_decode,
+                                share=self.config.itl_set_point, min_bulk=self.config.min_bulk_decode,
+                                step_budget_s=budget,
                                 ttft_target_s=self.config.interactive.ttft_target_s,
                                 typical_prompt=round(model.interactive_prompt_tokens), single_step_s=w.single_step_s,
                                 prefill_token_s=w.prefill_token_s, bulk_prompt_per_output=model.bulk_prompt_per_output)
@@ -366,6 +361,29 @@ class Scheduler(AdmissionControl):
                 actions.append(Compose(wid, plan))
             w.plan = plan
         return actions
+
+    def _step_budget(self, w: WorkerView, interactive: list[Entry], single_step_s: float) -> float | None:
+        """How long the worker's next planned step may be, in the planning line's seconds: the least
+        any of its interactive streams allows (composition.stream_allowance), None with none that has a target.
+
+        Counted from the worker's last report, whenever the plan is made (a plan remade between two
+        reports is for the same step). A worker that steps on before its report is read has a step
+        under way then, composed by the plan it has: that step comes first, as long as its plan
+        predicted (or, unplanned, its step at the batch it runs), scaled by how long planned steps
+        really take."""
+        allowances, targets = [], []
+        ahead = 1 if w.spec.runs_ahead else 0
+        under_way = w.under_way_step_s or w.cadence.step_s(len(w.running))
+        for e in interactive:
+            target = self._itl_target([e], single_step_s)
+            if target is None:
+                continue
+            gaps = e.tokens_this_run - 1 if e.first_token_at is not None else None
+            elapsed = max(w.last_report_at - e.first_token_at, 0.0) if e.first_token_at is not None else 0.0
+            allowances.append(stream_allowance(target, self.config.itl_set_point, gaps, elapsed,
+                                               ahead * w.step_ratio * under_way, ahead))
+            targets.append(target)
+        return min(min(allowances) / w.step_ratio, longest_step(min(targets), self.config.itl_set_point)) if allowances else None
 
     def _bulk_goal_per_worker(self, model: ModelState) -> float | None:
         """Each worker's part of bulk's throughput goal: the model's goal shared evenly by its workers."""
@@ -420,7 +438,7 @@ class Scheduler(AdmissionControl):
         bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
         a, b, c = step_line(w.cadence, w.single_step_s, len(w.running), w.prefill_token_s)
         streams = len(interactive) + 1
-        planned = w.itl_share * target
+        planned = self.config.itl_set_point * target
         if a + b * (streams + min(self.config.min_bulk_decode, bulk)) > planned:
             return False
         model = self.models[w.spec.model]

@@ -31,9 +31,13 @@ class WorkerView:
     # Its cost per prompt token, measured on steps that computed at least PREFILL_SAMPLE_TOKENS of
     # them (a moving average): the floor under the fitted one when steps are planned.
     prefill_token_s: float | None = None
-    # The share of the ITL target its steps are planned to: learnt from what its interactive
-    # streams saw (SchedulerCore._learn_itl_share), from SchedulerConfig.itl_target_share.
-    itl_share: float = 0.85
+    # Its step periods over what the planning line (composition.step_line) predicted for them, on
+    # steps run while interactive streams were in (a moving average): plans are made in the line's
+    # seconds, streams' allowances are in real ones.
+    step_ratio: float = 1.0
+    # What the plan of the step under way predicted (0: unplanned): a worker that steps on before its
+    # report is read runs, from that report on, the plan it had.
+    under_way_step_s: float = 0.0
     isolate_after_crashes: int = 2  # SchedulerConfig's: a suspect this often crashed runs alone
 
     def accepting(self) -> bool:
