@@ -47,43 +47,33 @@ def test_a_new_request_joins_the_worker_with_the_smaller_batch_when_both_are_bus
     assert out["new"].status == "finished"
 
 
-def _prompts_admitted(runs_ahead: bool) -> tuple[int, int, int]:
+def _prompts_admitted_on_a_report(runs_ahead: bool) -> tuple[int, int]:
     """A bulk backlog of 256-token prompts, a worker with a 512-token step budget: (prompts admitted
-    at once; on its first report, before it has applied them; on its next report, which has applied
-    them all and computed two)."""
+    at once, prompts admitted on its first report, which has not applied the first admissions yet)."""
     from dataclasses import replace
 
     from tokenline.engine.scheduler.core import Scheduler
     from tokenline.engine.scheduler.records import Dispatch, Entry
-    from tokenline.engine.types import SeqOutput, StepReport, TrafficClass
+    from tokenline.engine.types import StepReport, TrafficClass
 
     now = ClassConfig(admission_window_s=0.0)
     s = Scheduler(SchedulerConfig(interactive=now, bulk=now, bulk_floor=0.0), lambda: 0.0)
     s.add_worker(replace(worker_spec(0, max_seqs=32, continuous=True, prefill_token_budget=512, model="sim"),
                          runs_ahead=runs_ahead))
-    dispatched: list = []
 
     def admitted(actions: list) -> int:
-        new = [a for d in actions if isinstance(d, Dispatch) for a in d.admissions]
-        dispatched.extend(new)
-        return len(new)
+        return sum(len(d.admissions) for d in actions if isinstance(d, Dispatch))
 
     first = sum(admitted(s.submit(Entry(key=f"b{i}", model="sim", tenant="t", cls=TrafficClass.BULK,
                                         prompt_tokens=256, max_tokens=64, arrival=0.0))) for i in range(12))
     report = StepReport(worker_id=0, applied_seq=0, step_s=0.1, batch_size=1, prefill_tokens=0,
                         kv_blocks_free=1000, running=0, waiting=0)
-    on_first = admitted(s.on_step(report).actions)
-    computed = [SeqOutput(a.run_key, [7], "x") for a in dispatched[:2]]  # the first two prompts' first tokens
-    report = StepReport(worker_id=0, applied_seq=s.workers[0].seq, step_s=0.2, batch_size=2, prefill_tokens=512,
-                        kv_blocks_free=1000, running=2, waiting=0, outputs=computed)
-    return first, on_first, admitted(s.on_step(report).actions)
+    return first, admitted(s.on_step(report).actions)
 
 
-def test_a_worker_that_steps_on_before_its_report_is_read_is_kept_a_step_of_prompts_ahead():
-    # Its next step begins before its report is read, so what a report admits lands in the step
-    # after next: it holds two steps' prompts (four here), and each report tops it up by what the
-    # step computed (two), so that no step of it runs short of prompts while a backlog waits.
-    assert _prompts_admitted(runs_ahead=True) == (4, 0, 2)
-    # A worker that waits for its answer takes what is admitted into its very next step: one step's
-    # prompts, and more once it has applied those.
-    assert _prompts_admitted(runs_ahead=False) == (2, 0, 2)
+def test_a_worker_that_steps_on_before_its_report_is_read_gets_the_next_steps_prompts_on_that_report():
+    # Its next step is already under way with the first two prompts (they reached it after it
+    # reported): the two admitted now are for the step after, and its batch fills two prompts a step.
+    assert _prompts_admitted_on_a_report(runs_ahead=True) == (2, 2)
+    # A worker that waits for its answer would take them into the next step: no room left there.
+    assert _prompts_admitted_on_a_report(runs_ahead=False) == (2, 0)

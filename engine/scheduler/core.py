@@ -204,7 +204,7 @@ class Scheduler(AdmissionControl):
                 self._finish(e, now)
             else:
                 self._recount_blocks(e, w)
-        result.actions = self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model)
+        result.actions = self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model, reporting=w.spec.worker_id)
         return result
 
     def _learn(self, w: WorkerView, report: StepReport, now: float) -> None:
@@ -273,28 +273,29 @@ class Scheduler(AdmissionControl):
 
     # ------------------------------------------------------------- dispatching
 
-    def _dispatch(self, model_name: str, now: float | None = None) -> list[Action]:
+    def _dispatch(self, model_name: str, now: float | None = None, *, reporting: int | None = None) -> list[Action]:
         """Every event's decision: expire what is overdue, admit what the dispatch rule releases,
-        and, if interactive work still fits nowhere, preempt bulk for it and admit once more."""
+        and, if interactive work still fits nowhere, preempt bulk for it and admit once more.
+        `reporting`: the worker whose report this is (it is at a step boundary)."""
         now = self.clock() if now is None else now
         model = self.models[model_name]
         self._decided_at[model_name] = now
         actions: list[Action] = self._expire_overdue(now)
-        admitted = self._admit_queued(model_name, model, now)
+        admitted = self._admit_queued(model_name, model, now, reporting)
         if self.config.preempt_bulk:
             stopped = self._preempt_for_interactive(model_name, model, now)
             if stopped:
                 actions += admitted + stopped
-                admitted = self._admit_queued(model_name, model, now)
+                admitted = self._admit_queued(model_name, model, now, reporting)
         self._note_capacity(model, now)
         return actions + self._compose(model) + admitted  # the plan before the admissions: in place when they land
 
-    def _admit_queued(self, model_name: str, model: ModelState, now: float) -> list[Action]:
+    def _admit_queued(self, model_name: str, model: ModelState, now: float, reporting: int | None = None) -> list[Action]:
         """Interactive on every worker first, then bulk; passes until nothing moves (a head that fits
         no worker may unblock one behind it elsewhere, and slots held for waiting bulk return to
         interactive once bulk has gone). One Dispatch per worker that got anything."""
         workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
-        r = _Round(workers, {wid: self._budget(self.workers[wid]) for wid in workers},
+        r = _Round(workers, {wid: self._budget(self.workers[wid], at_boundary=wid == reporting) for wid in workers},
                    {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
         actions: list[Action] = []
         while any([self._admit_class(model_name, model, cls, r, now, actions) for cls in CLASSES]):  # both classes every pass
@@ -458,32 +459,23 @@ class Scheduler(AdmissionControl):
         done = start + est.first_token_s(len(w.running) + 1, self._prefill_owed(w) + e.prompt_tokens + e.generated)
         return done, len(w.running), -w.slots_free()
 
-    def _budget(self, w: WorkerView) -> StepBudget:
-        """What `w` can take now.
-
-        A worker that waits for its answer before each step takes, into its next step, what is
-        admitted now, less the prompts admitted but not yet applied (`pending_prefill`). A worker
-        that steps on as soon as it has reported (`runs_ahead`) has begun its next step before this
-        frontend reads the report, so what is admitted on a report lands in the step after next:
-        it is kept a step's prompts ahead, up to two steps' budget of prompt tokens it has not
-        computed yet (admitted, applied or not, and no token out). Counting only what it had not
-        applied, with two workers at saturation every other step of each computed only the last
-        chunk of a prompt (5-20 tokens where its budget holds 512), and a burst of 64 filled their
-        batches in 28-41 steps instead of 16."""
+    def _budget(self, w: WorkerView, *, at_boundary: bool = False) -> StepBudget:
+        """What `w` can take now. Prompts admitted but not yet applied (`pending_prefill`) go into its
+        next step. A worker starts its next step as soon as it has reported, before this frontend has
+        read the report, so what is admitted on its report (`at_boundary`) lands in the step after
+        next: only pending prompts beyond one step's budget spill into that one. (Counting them all,
+        a worker at saturation took a step's prompts every other step: one 256-token prompt a step
+        where its budget holds two, and its batch filled at half speed.)"""
         free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
-        budget = w.spec.prefill_token_budget
-        if w.spec.runs_ahead:
-            owed = self._prefill_owed(w)
-            prefill_tokens, fresh = max(2 * budget - owed, 0), owed == 0
-        else:
-            pending = sum(w.pending_prefill.values())
-            prefill_tokens, fresh = max(budget - pending, 0), pending == 0
+        pending = sum(w.pending_prefill.values())
+        if at_boundary and w.spec.runs_ahead:
+            pending = max(pending - w.spec.prefill_token_budget, 0)
         return StepBudget(
             slots=w.slots_free(),
             blocks=free_blocks,
-            prefill_tokens=prefill_tokens,
+            prefill_tokens=max(w.spec.prefill_token_budget - pending, 0),
             block_size=w.spec.block_size,
-            fresh_step=fresh,
+            fresh_step=pending == 0,
             margin_tokens=self.config.kv_margin_tokens,
         )
 
