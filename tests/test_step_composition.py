@@ -270,8 +270,8 @@ def test_a_stream_behind_its_pace_shortens_the_next_step_and_one_ahead_lengthens
 
 def test_streams_keep_their_target_on_a_worker_whose_step_time_is_no_line():
     # Steps of fewer than 40 sequences (those planned while streams run) take 15 % longer than the
-    # line through the bulk flood's steps: a fit that is wrong where plans are made. Planned steps
-    # are scaled by what such steps really took, and the streams' own clocks correct the rest.
+    # line through the bulk flood's steps: a fit that is wrong where plans are made. What a planned
+    # step overruns, the streams' own clocks take off the next ones.
     cost = linear_cost(BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S)
     config = SchedulerConfig(interactive=ClassConfig(itl_target_s=TARGET_S), bulk_floor=0.0)
     sim = Simulation(config, [(worker_spec(0, max_seqs=48, continuous=True, prefill_token_budget=4096),

@@ -105,7 +105,7 @@ class SchedulerConfig:
     # (GenerateRequest's ITL target), so each step is planned from the streams' own clocks: the
     # next step may take what keeps every interactive stream's mean, once that step's token comes,
     # at `itl_set_point` of its target (a stream behind its pace shortens the next step, one ahead
-    # lets it run longer, never past the target itself). Errors of the step-time model and of a
+    # lets it run longer, never past half way from the set point to the target). Errors of the step-time model and of a
     # noisy box are paid back by the following steps of the same streams, so the set point only has
     # to cover the last step's error spread over a stream's tokens. (A share of the target learnt from
     # finished streams, as before, kept the median stream at 0.91 × T and bulk at 0.85-0.94 of its

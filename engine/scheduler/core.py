@@ -350,6 +350,7 @@ class Scheduler(AdmissionControl):
                               bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding)
             single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
             budget = self._step_budget(w, interactive, single)
+            # `share` now only sizes the TTFT guard (share × TTFT target): the ITL steps follow `budget`.
             plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
                                 share=self.config.itl_set_point, min_bulk=self.config.min_bulk_decode,
                                 step_budget_s=budget,
@@ -370,7 +371,8 @@ class Scheduler(AdmissionControl):
         reports is for the same step). A worker that steps on before its report is read has a step
         under way then, composed by the plan it has: that step comes first, as long as its plan
         predicted (or, unplanned, its step at the batch it runs), scaled by how long planned steps
-        really take."""
+        really take. The budget, in the line's seconds, is capped as each allowance is in real ones
+        (composition.longest_step), so no plan predicts a step nearer the target than that."""
         allowances, targets = [], []
         ahead = 1 if w.spec.runs_ahead else 0
         under_way = w.under_way_step_s or w.cadence.step_s(len(w.running))
