@@ -9,6 +9,11 @@ The rules, measured on the 2-core CPU boxes (see README, "Sizing from the machin
 - CPU: one worker per usable CPU, one OpenMP thread each. Two 1-thread workers out-serve one
   2-thread engine at saturation, and a 1-thread worker's step does not swing when another process
   wants a core.
+- CPU pinning: when the workers' threads fill the usable CPUs exactly, each worker gets CPUs of its
+  own (`cpu_sets`; the supervisor binds a worker once it is ready). Measured on a 2-core AMX box,
+  default model, 64 requests at once, fresh servers taking turns: 639 against 613 output tok/s (mean
+  of 6 each; decode steps of 32 sequences 68-71 against 70-84 ms): unpinned, the OS moves a worker
+  whenever the frontend or a client wakes, and its step restarts on a cold core.
 - GPU: one worker per GPU.
 - KV cache: a share of the memory left once the frontend, every worker's own footprint (weights,
   activations, the Python runtime) and the OS are set aside, split between workers and never more
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +46,7 @@ class Machine:
     cpus: int  # usable CPUs: affinity, cut by the cgroup quota (at least 1)
     available_bytes: int  # memory available to new processes
     gpus: int = 0
+    cpu_ids: tuple[int, ...] = ()  # the CPUs of this process's affinity, ascending (empty: not known)
 
 
 @dataclass(frozen=True)
@@ -51,20 +58,26 @@ class WorkerPlan:
     kv_cache_bytes: int  # per worker
     machine: Machine
     kv_share: float  # all workers' KV ÷ available memory
+    # The CPUs each worker is bound to, one set per worker (empty: the OS places them; see pin_sets).
+    cpu_sets: tuple[tuple[int, ...], ...] = ()
 
     def describe(self) -> str:
-        """The start-up line: '2 workers × 1 thread, KV 4.5 GiB each (40 % of available memory; 2 CPUs, 22.4 GiB available)'."""
+        """The start-up line: '2 workers × 1 thread (pinned to CPUs 0 | 1), KV 4.5 GiB each (40 % of available
+        memory; 2 CPUs, 22.4 GiB available)'."""
         w = f"{self.workers} worker{'s' if self.workers != 1 else ''}"
         t = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        pinned = f" (pinned to CPUs {' | '.join(cpu_list_text(s) for s in self.cpu_sets)})" if self.cpu_sets else ""
         gpus = f", {self.machine.gpus} GPUs" if self.machine.gpus else ""
-        return (f"{w} × {t}, KV {_size(self.kv_cache_bytes)} each ({100 * self.kv_share:.0f} % of available memory; "
-                f"{self.machine.cpus} CPUs{gpus}, {_size(self.machine.available_bytes)} available)")
+        return (f"{w} × {t}{pinned}, KV {_size(self.kv_cache_bytes)} each ({100 * self.kv_share:.0f} % of available "
+                f"memory; {self.machine.cpus} CPUs{gpus}, {_size(self.machine.available_bytes)} available)")
 
 
 def plan_workers(machine: Machine, *, workers: int | None = None, threads: int | None = None,
                  kv_cache_bytes: int | None = None, standby: int = 0,
-                 kv_bytes_per_token: int | None = None, max_seqs: int = 64, max_model_len: int = 4096) -> WorkerPlan:
-    """Workers, threads and KV per worker: what the operator gave, the rest from the machine."""
+                 kv_bytes_per_token: int | None = None, max_seqs: int = 64, max_model_len: int = 4096,
+                 pin: bool = True) -> WorkerPlan:
+    """Workers, threads and KV per worker: what the operator gave, the rest from the machine.
+    `pin` False: never bind workers to CPUs (else pin_sets decides)."""
     for name, value in (("workers", workers), ("threads", threads), ("kv_cache_bytes", kv_cache_bytes)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
@@ -89,11 +102,49 @@ def plan_workers(machine: Machine, *, workers: int | None = None, threads: int |
             kv_cache_bytes = min(kv_cache_bytes, kv_bytes_per_token * max_seqs * max_model_len)
         kv_cache_bytes = max(kv_cache_bytes // MiB * MiB, MIN_KV_BYTES)
     share = kv_cache_bytes * (workers + standby) / max(machine.available_bytes, 1)
-    return WorkerPlan(workers, threads, kv_cache_bytes, machine, share)
+    return WorkerPlan(workers, threads, kv_cache_bytes, machine, share,
+                      pin_sets(machine, workers, threads) if pin else ())
+
+
+def pin_sets(machine: Machine, workers: int, threads: int) -> tuple[tuple[int, ...], ...]:
+    """CPUs for each worker when `workers` × `threads` fill the machine's CPUs exactly; else none.
+
+    Not on a GPU machine (the GPU does the work), not where the CPUs are unknown or a cgroup quota
+    cuts them (a quota is time, not particular CPUs), and not when workers leave CPUs over (the OS then
+    balances them against whatever else runs) or would share them."""
+    ids = machine.cpu_ids
+    if machine.gpus or not ids or len(ids) != machine.cpus or workers * threads != len(ids):
+        return ()
+    return tuple(ids[i * threads:(i + 1) * threads] for i in range(workers))
+
+
+def pin_process(pid: int, cpus: Iterable[int]) -> bool:
+    """Bind every thread of process `pid` to `cpus` (threads it starts later inherit it); False if it is gone."""
+    cpus = set(cpus)
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        tids = [pid]
+    pinned = False
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            pinned = True
+        except OSError:  # a thread that ended meanwhile; a process that is gone
+            continue
+    return pinned
 
 
 def read_machine() -> Machine:
-    return Machine(cpus=usable_cpus(), available_bytes=available_memory(), gpus=visible_gpus())
+    return Machine(cpus=usable_cpus(), available_bytes=available_memory(), gpus=visible_gpus(), cpu_ids=affinity())
+
+
+def affinity() -> tuple[int, ...]:
+    """The CPUs this process may run on, ascending; empty where the platform cannot say."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return ()
 
 
 def usable_cpus() -> int:
@@ -146,6 +197,22 @@ def node_available_memory(root: Path = Path("/sys/devices/system/node"), cpus: s
         except (OSError, ValueError):
             continue
     return total if found else 1 << 62
+
+
+def cpu_list_text(cpus: Iterable[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3,8' (the kernel's cpulist form)"""
+    ids, parts = sorted(set(cpus)), []
+    for cpu in ids:
+        if parts and parts[-1][1] == cpu - 1:
+            parts[-1][1] = cpu
+        else:
+            parts.append([cpu, cpu])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in parts)
+
+
+def cpu_ids_of(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}"""
+    return _cpu_list(text)
 
 
 def _cpu_list(text: str) -> set[int]:

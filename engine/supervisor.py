@@ -20,6 +20,10 @@ A handle is anything with the `WorkerHandle` contract (engine/worker.py): built 
 `factory(worker_id, config, on_message=..., on_exit=...)`, with `start()`, `send(msg)`,
 `kill()` and `terminate(timeout)`; its callbacks may come from any thread. A local process
 and a Ray actor (engine/ray_workers.py) both fit.
+
+With `cpu_sets` (engine/machine.py pin_sets), each active worker that is a local process is bound to
+the set fewest active workers hold, once it is ready (a new worker, a restart, a standby promoted):
+the set of a worker that died is free again for the one that takes its place.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 from tokenline.engine.autoscale import AddWorker, AutoscaleConfig, Autoscaler, Pressure
 from tokenline.engine.config import WorkerConfig
+from tokenline.engine.machine import cpu_list_text, pin_process
 from tokenline.engine.types import Shutdown, StepReport, WorkerFailed, WorkerSpec
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
@@ -50,7 +55,8 @@ class Supervisor:
                  restart: bool = True, standby: int = 0, watchdog: StepWatchdog | None = None,
                  busy: Callable[[], set[int]] = set, heaviest_step_s: Callable[[int], float] = lambda wid: 0.0,
                  factory: Callable[..., Any] = WorkerHandle, autoscale: AutoscaleConfig | None = None,
-                 pressure: Callable[[str, float, int, dict[int, float]], Pressure] | None = None):
+                 pressure: Callable[[str, float, int, dict[int, float]], Pressure] | None = None,
+                 cpu_sets: tuple[tuple[int, ...], ...] = ()):
         self.loop = asyncio.get_running_loop()
         self.worker_configs = workers
         self.on_ready, self.on_lost, self.on_step, self.on_capacity = on_ready, on_lost, on_step, on_capacity
@@ -77,6 +83,8 @@ class Supervisor:
         self._idle_since: dict[int, float] = {}
         self._scale_timer: asyncio.TimerHandle | None = None
         self.scale_decisions: collections.Counter[tuple[str, str]] = collections.Counter()  # (model, "add"|"remove")
+        self.cpu_sets = cpu_sets  # CPUs to bind active local workers to, one set each (empty: the OS places them)
+        self.cpu_set_of: dict[int, int] = {}  # worker -> index into cpu_sets, while it is active
 
     def start(self) -> None:
         if self.watchdog is not None:
@@ -136,6 +144,7 @@ class Supervisor:
         self.target[model] -= 1
         self._retiring.add(worker_id)
         self.specs.pop(worker_id)
+        self.cpu_set_of.pop(worker_id, None)
         self.on_lost(worker_id)
         self.on_capacity()
         self.loop.run_in_executor(None, handle.terminate, 10.0)
@@ -203,6 +212,7 @@ class Supervisor:
 
     def _activate(self, wid: int, spec: WorkerSpec) -> None:
         self.specs[wid] = spec
+        self._pin(wid)
         log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, %s, attention kernel %s, self-check %s",
                  wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",
                  spec.execution or "-", spec.attention_kernel or "-", spec.self_check or "-")
@@ -218,6 +228,7 @@ class Supervisor:
             self.watchdog.forget(wid)
         handle = self.handles.pop(wid, None)
         self.specs.pop(wid, None)
+        self.cpu_set_of.pop(wid, None)
         model = self._model_of.pop(wid, None)
         was_standby = wid in self._standby_ids
         self._standby_ids.discard(wid)
@@ -240,6 +251,17 @@ class Supervisor:
             # A promoted standby is replaced by a new standby; otherwise the worker itself restarts.
             standby = was_standby or (self.standby > 0 and len(self._standby_ids) < self.standby)
             self._spawn(model, self.worker_configs[model][0], standby=standby and not self._needs_active(model))
+
+    def _pin(self, wid: int) -> None:
+        """Bind an active local worker to the CPU set fewest active workers hold (the lowest on a tie)."""
+        handle = self.handles.get(wid)
+        if not self.cpu_sets or not getattr(handle, "local", False) or handle.pid is None:
+            return
+        held = collections.Counter(self.cpu_set_of.values())
+        index = min(range(len(self.cpu_sets)), key=lambda i: (held[i], i))
+        if pin_process(handle.pid, self.cpu_sets[index]):
+            self.cpu_set_of[wid] = index
+            log.info("worker %d pinned to CPUs %s", wid, cpu_list_text(self.cpu_sets[index]))
 
     def _promote_standby(self, model: str) -> bool:
         """Put a loaded standby worker to work at once, in place of one that died."""

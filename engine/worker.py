@@ -218,7 +218,8 @@ OnExit = Callable[[int, "int | None"], None]
 
 
 class WorkerHandle:
-    """The frontend's side of one worker process.
+    """The frontend's side of one worker process (`local`: a process on this machine, whose CPUs the
+    supervisor may choose).
 
     `on_message(worker_id, msg)` is called for every message the worker sends
     and `on_exit(worker_id, exitcode)` once when it is gone (also after a
@@ -226,6 +227,8 @@ class WorkerHandle:
     caller hands them to its event loop. `send` never blocks the caller: a
     writer thread feeds the pipe, which is full while the worker is mid-step.
     """
+
+    local = True
 
     def __init__(self, worker_id: int, config: WorkerConfig, on_message: OnMessage, on_exit: OnExit):
         self.worker_id = worker_id

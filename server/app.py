@@ -69,6 +69,8 @@ class ServeConfig:
     jobs: JobConfig | None = None  # durable jobs (server/jobrunner.py); None: the job RPCs answer UNIMPLEMENTED
     ray_address: str | None = None  # workers as Ray actors on this cluster (engine/ray_workers.py); None: local processes
     autoscale: AutoscaleConfig | None = None  # add and remove workers on queue age and deadline pressure; None: fixed
+    # CPUs to bind local workers to, one set per worker (engine/machine.py pin_sets); empty: the OS places them
+    worker_cpus: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -124,7 +126,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         print(f"tokenline: workers are Ray actors on {config.ray_address} ({cluster.resources().get('CPU', 0):g} CPUs, "
               f"{len(cluster.alive_nodes())} nodes)", flush=True)
     runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers,
-                      watchdog=watchdog, worker_factory=worker_factory, autoscale=config.autoscale)
+                      watchdog=watchdog, worker_factory=worker_factory, autoscale=config.autoscale,
+                      cpu_sets=() if config.ray_address else config.worker_cpus)
     if config.step_log:
         from tokenline.server.steplog import StepLog
 

@@ -34,6 +34,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="worker processes for the model (default: one per usable CPU, or per GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="OpenMP threads per worker (default 1: measured, two 1-thread workers out-serve one 2-thread worker)")
+    p.add_argument("--pin-workers", choices=("auto", "off"), default="auto",
+                   help="auto: when the workers' threads fill the usable CPUs exactly, bind each worker to CPUs of its "
+                        "own (measured ~4 %% more output tok/s at saturation on 2 cores); off: the OS places them "
+                        "(default %(default)s)")
     p.add_argument("--standby-workers", type=int, default=0,
                    help="extra workers per model that load the model and wait; one takes over at once when a worker dies")
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm", help="vllm, or the simulated engine")
@@ -174,7 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
         plan = plan_workers(machine, workers=workers, threads=args.threads,
                             kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
                             standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path, dtype),
-                            max_seqs=args.max_seqs + args.interactive_slots, max_model_len=args.max_model_len)
+                            max_seqs=args.max_seqs + args.interactive_slots, max_model_len=args.max_model_len,
+                            pin=args.pin_workers == "auto" and not args.ray_address)
         worker = WorkerConfig(
             model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=plan.kv_cache_bytes,
             threads=plan.threads, max_seqs=args.max_seqs, interactive_slots=args.interactive_slots, max_model_len=args.max_model_len, block_size=args.block_size,
@@ -199,7 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, idempotency_lease_s=args.idempotency_lease_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
                              step_log=args.step_log, web=_web_config(args), jobs=jobs, ray_address=args.ray_address,
-                             autoscale=_autoscale_config(args, plan.workers),
+                             autoscale=_autoscale_config(args, plan.workers), worker_cpus=plan.cpu_sets,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
     except (ValueError, ModelPrepError) as err:

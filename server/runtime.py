@@ -52,7 +52,7 @@ class Runtime:
     def __init__(self, scheduler_config: SchedulerConfig, workers: dict[str, tuple[WorkerConfig, int]],
                  *, restart_workers: bool = True, quarantine_s: float = 600.0, standby: int = 0,
                  watchdog: StepWatchdog | None = None, worker_factory: Callable[..., WorkerHandle] = WorkerHandle,
-                 autoscale: AutoscaleConfig | None = None):
+                 autoscale: AutoscaleConfig | None = None, cpu_sets: tuple[tuple[int, ...], ...] = ()):
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
@@ -71,7 +71,7 @@ class Runtime:
         self.workers = Supervisor(workers, on_ready=self._worker_ready, on_lost=self._worker_lost, on_step=self._on_step,
                                   on_capacity=self._capacity_changed, restart=restart_workers, standby=standby,
                                   watchdog=watchdog, busy=self._busy_workers, heaviest_step_s=self._heaviest_step_s,
-                                  factory=worker_factory, autoscale=autoscale,
+                                  factory=worker_factory, autoscale=autoscale, cpu_sets=cpu_sets,
                                   pressure=lambda model, now, starting, idle: read_pressure(
                                       self.scheduler, model, now, starting=starting, idle_since=idle))
 

@@ -3,7 +3,8 @@
 import pytest
 
 from tokenline.engine.machine import (
-    GiB, MiB, Machine, choose_dtype, cpu_flags, kv_bytes_per_token, node_available_memory, plan_workers, read_machine,
+    GiB, MiB, Machine, choose_dtype, cpu_flags, cpu_list_text, kv_bytes_per_token, node_available_memory, plan_workers,
+    read_machine,
 )
 
 
@@ -55,6 +56,34 @@ def test_a_bad_flag_is_refused_with_its_name():
 def test_the_start_up_line_says_workers_threads_and_kv():
     line = plan_workers(Machine(cpus=2, available_bytes=22 * GiB)).describe()
     assert line.startswith("2 workers × 1 thread, KV ") and "% of available memory" in line
+
+
+def test_workers_that_fill_the_cpus_exactly_get_cpus_of_their_own_and_the_start_up_line_says_which():
+    plan = plan_workers(Machine(cpus=2, available_bytes=22 * GiB, cpu_ids=(0, 1)))
+    assert plan.cpu_sets == ((0,), (1,))
+    assert plan.describe().startswith("2 workers × 1 thread (pinned to CPUs 0 | 1), KV ")
+    plan = plan_workers(Machine(cpus=4, available_bytes=64 * GiB, cpu_ids=(2, 3, 6, 7)), workers=2, threads=2)
+    assert plan.cpu_sets == ((2, 3), (6, 7))
+    assert "(pinned to CPUs 2-3 | 6-7)" in plan.describe()
+
+
+@pytest.mark.parametrize("machine, flags, why", [
+    (Machine(cpus=4, available_bytes=64 * GiB, cpu_ids=(0, 1, 2, 3)), {"workers": 3}, "a CPU left over for the OS to balance"),
+    (Machine(cpus=2, available_bytes=64 * GiB, cpu_ids=(0, 1)), {"workers": 4}, "workers that would share CPUs"),
+    (Machine(cpus=2, available_bytes=64 * GiB, cpu_ids=(0, 1, 2, 3)), {}, "a cgroup quota: time, not particular CPUs"),
+    (Machine(cpus=16, available_bytes=64 * GiB, gpus=16, cpu_ids=tuple(range(16))), {}, "a GPU does the work"),
+    (Machine(cpus=2, available_bytes=22 * GiB), {}, "CPUs not known"),
+    (Machine(cpus=2, available_bytes=22 * GiB, cpu_ids=(0, 1)), {"pin": False}, "the operator said off"),
+])
+def test_no_pinning_where_it_would_not_give_each_worker_cpus_of_its_own(machine, flags, why):
+    plan = plan_workers(machine, **flags)
+    assert plan.cpu_sets == (), why
+    assert "pinned" not in plan.describe()
+
+
+def test_cpu_lists_are_written_as_the_kernel_writes_them():
+    assert cpu_list_text([8, 0, 1, 2, 3, 10, 11]) == "0-3,8,10-11"
+    assert cpu_list_text([5]) == "5"
 
 
 def test_this_machine_reads_sensibly():
