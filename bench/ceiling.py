@@ -17,8 +17,7 @@ vLLM's own choice, whatever it answers). `requests.json` holds two lists of
 `--threads N` runs the engine on N OpenMP threads (the box's cores in one engine);
 `--shard I/N --ready-dir D` runs every N-th throughput request in one of N engines started side
 by side, all starting together once each has written its name into D (the box's cores as N
-engines); `bench compare` adds up their output. `--cpus` binds the engine to CPUs, as tokenline
-binds its workers when they fill the machine.
+engines); `bench compare` adds up their output.
 """
 
 from __future__ import annotations
@@ -126,16 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile the model (as `vllm serve` and `tokenline serve` do by default)")
     p.add_argument("--warmup", type=int, default=4, help="short unrecorded requests first (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine (default %(default)s)")
-    p.add_argument("--cpus", default=None, metavar="LIST",
-                   help="bind the engine to these CPUs (e.g. 0 or 2-3), as tokenline pins its workers (default: the OS places it)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th throughput request, from the I-th; no sequential run")
     p.add_argument("--ready-dir", type=Path, default=None, help="with --shard: start once all N shards are ready here")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported
-    if args.cpus:
-        from tokenline.engine.machine import cpu_ids_of
-
-        os.sched_setaffinity(0, cpu_ids_of(args.cpus))  # before torch starts its threads: they inherit it
     workload = json.loads(args.requests.read_text())
     if args.shard:
         index, count = (int(x) for x in args.shard.split("/"))

@@ -189,12 +189,6 @@ def box_best(spec: CompareSpec, plan: Any, requests_path: Path, out_dir: Path, l
         many = run_ceiling_engines(spec.settings, requests_path, out_dir, cpus, kv_cache_mb=max(total_kv_mb // cpus, 64))
         configs[f"{cpus} engines × 1 thread"] = many["output_throughput"]
         log(f"   {many['output_throughput']:.0f} output tok/s")
-    if cpus > 1 and len(plan.cpu_sets) == cpus:  # tokenline pins its 1-thread workers: so may the engines
-        log(f"-- the box's best engine: {cpus} engines × 1 thread, each pinned to its CPU as tokenline's workers are")
-        many = run_ceiling_engines(spec.settings, requests_path, out_dir, cpus, kv_cache_mb=max(total_kv_mb // cpus, 64),
-                                   cpu_sets=plan.cpu_sets)
-        configs[f"{cpus} engines × 1 thread, pinned"] = many["output_throughput"]
-        log(f"   {many['output_throughput']:.0f} output tok/s")
     name = max(configs, key=configs.get)
     return {"config": name, "output_throughput": configs[name], "configs": configs, "sequential_all_threads": one.get("sequential"),
             "attention_kernel": one.get("attention_kernel", "")}

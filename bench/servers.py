@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenline.engine.config import MiB, WorkerConfig
-from tokenline.engine.machine import cpu_list_text
 
 # What every engine process on these CPU machines needs: one OpenMP thread (the bench sizes workers),
 # no hub or telemetry traffic, and a loopback address for vLLM's own sockets.
@@ -220,23 +219,18 @@ def run_ceiling(settings: EngineSettings, requests_path: Path, out_path: Path, l
 
 
 def run_ceiling_engines(settings: EngineSettings, requests_path: Path, out_dir: Path, engines: int, *,
-                        timeout_s: float = 1800.0, kv_cache_mb: int | None = None,
-                        cpu_sets: tuple[tuple[int, ...], ...] = ()) -> dict:
-    """The saturation workload split over `engines` 1-thread engines run side by side: their summed output tok/s.
-    With `cpu_sets` (one per engine), each engine is bound to its set, as tokenline binds its workers."""
+                        timeout_s: float = 1800.0, kv_cache_mb: int | None = None) -> dict:
+    """The saturation workload split over `engines` 1-thread engines run side by side: their summed output tok/s."""
     ready = out_dir / "ready"
     if ready.exists():
         for f in ready.iterdir():
             f.unlink()
     runs = []
-    pinned = "-pinned" if cpu_sets else ""
     for i in range(engines):
-        out_path = out_dir / f"ceiling-{engines}x1{pinned}-{i}.json"
+        out_path = out_dir / f"ceiling-{engines}x1-{i}.json"
         cmd = _ceiling_cmd(settings, requests_path, out_path, 1, kv_cache_mb or settings.worker_kv_mb())
         cmd += ["--shard", f"{i}/{engines}", "--ready-dir", str(ready)]
-        if cpu_sets:
-            cmd += ["--cpus", cpu_list_text(cpu_sets[i])]
-        runs.append((_launch(cmd, out_dir / "logs" / f"ceiling-{engines}x1{pinned}-{i}.log"), out_path))
+        runs.append((_launch(cmd, out_dir / "logs" / f"ceiling-{engines}x1-{i}.log"), out_path))
     for process, out_path in runs:
         _wait_ceiling(process, out_path, out_dir / "logs" / f"{out_path.stem}.log", timeout_s)
     results = [json.loads(out_path.read_text()) for _, out_path in runs]

@@ -9,11 +9,13 @@ The rules, measured on the 2-core CPU boxes (see README, "Sizing from the machin
 - CPU: one worker per usable CPU, one OpenMP thread each. Two 1-thread workers out-serve one
   2-thread engine at saturation, and a 1-thread worker's step does not swing when another process
   wants a core.
-- CPU pinning: when the workers' threads fill the usable CPUs exactly, each worker gets CPUs of its
-  own (`cpu_sets`; the supervisor binds a worker once it is ready). Measured on a 2-core AMX box,
-  default model, 64 requests at once, fresh servers taking turns: 639 against 613 output tok/s (mean
-  of 6 each; decode steps of 32 sequences 68-71 against 70-84 ms): unpinned, the OS moves a worker
-  whenever the frontend or a client wakes, and its step restarts on a cold core.
+- CPU pinning, only when asked (`pin`): when the workers' threads fill the usable CPUs exactly, each
+  worker gets CPUs of its own (`cpu_sets`; the supervisor binds a worker once it is ready). Measured
+  on a 2-core AMX box, default model, 64 requests at once, fresh servers taking turns: 639 against
+  613 output tok/s (mean of 6 each; decode steps of 32 sequences 68-71 against 70-84 ms). Not the
+  default: on that box (Linux 6.18, autogroup on) two pinned busy workers starved processes of other
+  sessions, a client on the same machine among them, for 0.6-6.7 s at a time (a 10 ms sleep loop woke
+  that late in each of three runs), never with the workers unpinned (three runs) or with autogroup off (two).
 - GPU: one worker per GPU.
 - KV cache: a share of the memory left once the frontend, every worker's own footprint (weights,
   activations, the Python runtime) and the OS are set aside, split between workers and never more
@@ -75,9 +77,9 @@ class WorkerPlan:
 def plan_workers(machine: Machine, *, workers: int | None = None, threads: int | None = None,
                  kv_cache_bytes: int | None = None, standby: int = 0,
                  kv_bytes_per_token: int | None = None, max_seqs: int = 64, max_model_len: int = 4096,
-                 pin: bool = True) -> WorkerPlan:
+                 pin: bool = False) -> WorkerPlan:
     """Workers, threads and KV per worker: what the operator gave, the rest from the machine.
-    `pin` False: never bind workers to CPUs (else pin_sets decides)."""
+    `pin`: bind workers to CPUs of their own where pin_sets finds them (else the OS places them)."""
     for name, value in (("workers", workers), ("threads", threads), ("kv_cache_bytes", kv_cache_bytes)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
@@ -208,11 +210,6 @@ def cpu_list_text(cpus: Iterable[int]) -> str:
         else:
             parts.append([cpu, cpu])
     return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in parts)
-
-
-def cpu_ids_of(text: str) -> set[int]:
-    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}"""
-    return _cpu_list(text)
 
 
 def _cpu_list(text: str) -> set[int]:

@@ -34,10 +34,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="worker processes for the model (default: one per usable CPU, or per GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="OpenMP threads per worker (default 1: measured, two 1-thread workers out-serve one 2-thread worker)")
-    p.add_argument("--pin-workers", choices=("auto", "off"), default="auto",
-                   help="auto: when the workers' threads fill the usable CPUs exactly, bind each worker to CPUs of its "
-                        "own (measured ~4 %% more output tok/s at saturation on 2 cores); off: the OS places them "
-                        "(default %(default)s)")
+    p.add_argument("--pin-workers", choices=("on", "off"), default="off",
+                   help="on: when the workers' threads fill the usable CPUs exactly, bind each worker to CPUs of its "
+                        "own (measured ~4 %% more output tok/s at saturation on 2 cores, but on Linux with autogroup "
+                        "on, other sessions' processes starved for seconds); off: the OS places them (default %(default)s)")
     p.add_argument("--standby-workers", type=int, default=0,
                    help="extra workers per model that load the model and wait; one takes over at once when a worker dies")
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm", help="vllm, or the simulated engine")
@@ -179,7 +179,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
                             standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path, dtype),
                             max_seqs=args.max_seqs + args.interactive_slots, max_model_len=args.max_model_len,
-                            pin=args.pin_workers == "auto" and not args.ray_address)
+                            pin=args.pin_workers == "on" and not args.ray_address)
         worker = WorkerConfig(
             model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=plan.kv_cache_bytes,
             threads=plan.threads, max_seqs=args.max_seqs, interactive_slots=args.interactive_slots, max_model_len=args.max_model_len, block_size=args.block_size,

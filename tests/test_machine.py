@@ -58,11 +58,11 @@ def test_the_start_up_line_says_workers_threads_and_kv():
     assert line.startswith("2 workers × 1 thread, KV ") and "% of available memory" in line
 
 
-def test_workers_that_fill_the_cpus_exactly_get_cpus_of_their_own_and_the_start_up_line_says_which():
-    plan = plan_workers(Machine(cpus=2, available_bytes=22 * GiB, cpu_ids=(0, 1)))
+def test_workers_asked_to_be_pinned_that_fill_the_cpus_exactly_get_cpus_of_their_own_and_the_line_says_which():
+    plan = plan_workers(Machine(cpus=2, available_bytes=22 * GiB, cpu_ids=(0, 1)), pin=True)
     assert plan.cpu_sets == ((0,), (1,))
     assert plan.describe().startswith("2 workers × 1 thread (pinned to CPUs 0 | 1), KV ")
-    plan = plan_workers(Machine(cpus=4, available_bytes=64 * GiB, cpu_ids=(2, 3, 6, 7)), workers=2, threads=2)
+    plan = plan_workers(Machine(cpus=4, available_bytes=64 * GiB, cpu_ids=(2, 3, 6, 7)), workers=2, threads=2, pin=True)
     assert plan.cpu_sets == ((2, 3), (6, 7))
     assert "(pinned to CPUs 2-3 | 6-7)" in plan.describe()
 
@@ -73,10 +73,10 @@ def test_workers_that_fill_the_cpus_exactly_get_cpus_of_their_own_and_the_start_
     (Machine(cpus=2, available_bytes=64 * GiB, cpu_ids=(0, 1, 2, 3)), {}, "a cgroup quota: time, not particular CPUs"),
     (Machine(cpus=16, available_bytes=64 * GiB, gpus=16, cpu_ids=tuple(range(16))), {}, "a GPU does the work"),
     (Machine(cpus=2, available_bytes=22 * GiB), {}, "CPUs not known"),
-    (Machine(cpus=2, available_bytes=22 * GiB, cpu_ids=(0, 1)), {"pin": False}, "the operator said off"),
+    (Machine(cpus=2, available_bytes=22 * GiB, cpu_ids=(0, 1)), {"pin": False}, "not asked for: the default"),
 ])
 def test_no_pinning_where_it_would_not_give_each_worker_cpus_of_its_own(machine, flags, why):
-    plan = plan_workers(machine, **flags)
+    plan = plan_workers(machine, **({"pin": True} | flags))
     assert plan.cpu_sets == (), why
     assert "pinned" not in plan.describe()
 

@@ -1,5 +1,6 @@
-"""Workers bound to CPUs of their own when their threads fill the machine (engine/machine.py pin_sets,
-engine/supervisor.py): real worker processes, their CPUs read back from the kernel.
+"""`--pin-workers on`: workers bound to CPUs of their own when their threads fill the machine
+(engine/machine.py pin_sets, engine/supervisor.py): real worker processes, their CPUs read back from
+the kernel.
 
 The server is started with this process's affinity cut to two CPUs, so that on any machine it sees
 exactly two and plans two 1-thread workers that fill them."""
@@ -43,8 +44,8 @@ def pinned_apart(server: ServerProcess, count: int = 2) -> bool:
     return len(found) == count and sorted(map(sorted, found.values())) == [[c] for c in sorted(TWO)]
 
 
-def test_two_workers_on_two_cpus_each_get_a_cpu_of_their_own_and_a_restart_takes_the_freed_one():
-    s = serve_on_two_cpus()
+def test_two_pinned_workers_on_two_cpus_each_get_a_cpu_of_their_own_and_a_restart_takes_the_freed_one():
+    s = serve_on_two_cpus("--pin-workers", "on")
     try:
         line = next(line for line in s.output().splitlines() if "2 workers × 1 thread" in line)
         assert f"pinned to CPUs {min(TWO)} | {max(TWO)}" in line  # the start-up line says so
@@ -59,8 +60,8 @@ def test_two_workers_on_two_cpus_each_get_a_cpu_of_their_own_and_a_restart_takes
         s.stop()
 
 
-def test_with_pinning_off_or_workers_that_leave_cpus_over_the_os_places_them():
-    for args in (("--pin-workers", "off"), ("--workers", "1")):
+def test_by_default_or_with_workers_that_leave_cpus_over_the_os_places_them():
+    for args in ((), ("--pin-workers", "on", "--workers", "1")):
         s = serve_on_two_cpus(*args)
         try:
             workers = 1 if "--workers" in args else 2
