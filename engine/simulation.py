@@ -5,6 +5,10 @@ here are cost models, not processes: a step takes `cost(batch, prefill)`
 virtual seconds and yields one token per running sequence. A fixed-batch
 worker runs each batch to completion before it takes the next; a continuous
 worker admits new sequences at every step boundary.
+
+A worker whose spec `runs_ahead` (as tokenline's vLLM worker does) starts its next step the moment
+it reports, before the scheduler has answered: what is admitted, and the plan composed, on that
+report apply from the step after it. Otherwise the scheduler's answer comes first.
 """
 
 from __future__ import annotations
@@ -130,11 +134,11 @@ class SimWorker:
 
 
 def worker_spec(worker_id: int, *, max_seqs: int, continuous: bool, kv_blocks: int = 1_000_000, block_size: int = 16, prefill_token_budget: int = 1_000_000, model: str = "sim",
-                interactive_slots: int = 0) -> WorkerSpec:
+                interactive_slots: int = 0, runs_ahead: bool = False) -> WorkerSpec:
     return WorkerSpec(
         worker_id=worker_id, model=model, model_version="sim", kv_blocks_total=kv_blocks, block_size=block_size,
         max_seqs=max_seqs, max_model_len=1_000_000, prefill_token_budget=prefill_token_budget, vocab_size=1000,
-        eos_token_id=None, continuous=continuous, interactive_slots=interactive_slots,
+        eos_token_id=None, continuous=continuous, interactive_slots=interactive_slots, runs_ahead=runs_ahead,
     )
 
 
@@ -318,6 +322,8 @@ class Simulation:
                             batch_size=batch, prefill_tokens=prefill, kv_blocks_free=0, running=len(w.running),
                             waiting=0, outputs=outputs)
         w.busy_until = None
+        if w.spec.runs_ahead:  # steps on with what it holds; the answer to this report lands a step later
+            self._start_step(w)
         self._handle(self.scheduler.on_step(report).actions)
         if w.busy_until is None:
             self._start_step(w)
