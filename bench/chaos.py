@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from tokenline.bench.servers import SERVER_GROUP
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
@@ -66,7 +67,7 @@ class Server:
         cmd = [sys.executable, "-m", "tokenline.server.cli", "serve", "--port", "0", "--metrics-port", str(self.metrics_port), *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
+                                     **SERVER_GROUP)
         self.lines: list[str] = []
         self.address: str | None = None
         self.ready_pids: set[int] = set()  # workers that said they are loaded (active or standby)

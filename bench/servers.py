@@ -133,15 +133,27 @@ class ServerProcess:
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(process.pid, sig)  # the server's own session: its engine processes too
+        os.killpg(process.pid, sig)  # the server's own process group: its engine processes too
     except ProcessLookupError:
         pass
 
 
 def _launch(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """A server or engine in a process group of its own (so that it and its children are stopped
+    together), in the bench's session (SERVER_GROUP)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(), start_new_session=True)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(), **SERVER_GROUP)
+
+
+# A new process group, not a new session: with Linux's autogroup on (the default on desktops and
+# these boxes), a new session is a scheduling group of its own, and beside a server's busy
+# workers the load generator's group then waited for a CPU for seconds at a time. Measured at
+# saturation on a 2-core box, default model, 64 streams: the load generator's event loop woke
+# 0.7-3.3 s late at p99 with the server in its own session (4 runs), 4-5 ms in the bench's
+# (4 runs), at the same throughput (618-633 against 620-631 tok/s). Its lateness is in every
+# token time it records (ITL p99 695 ms in one `bench compare`).
+SERVER_GROUP = {"process_group": 0}
 
 
 def _fail(process: subprocess.Popen, kind: str, log_path: Path, why: str) -> ServerStartError:

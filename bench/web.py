@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from tokenline.bench.servers import SERVER_GROUP
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
@@ -168,7 +169,7 @@ def _start_server(model: str) -> tuple[subprocess.Popen, str, str]:
         args += ["--model", model]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tokenline.server.cli", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, env=env, **SERVER_GROUP)
     found: dict[str, str] = {}
     lines: list[str] = []
     ready = threading.Event()
