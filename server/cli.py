@@ -37,7 +37,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pin-workers", choices=("on", "off"), default="off",
                    help="on: when the workers' threads fill the usable CPUs exactly, bind each worker to CPUs of its "
                         "own (measured ~4 %% more output tok/s at saturation on 2 cores, but on Linux with autogroup "
-                        "on, other sessions' processes starved for seconds); off: the OS places them (default %(default)s)")
+                        "on, other sessions' processes starved for seconds; never for Ray workers); off: the OS places them (default %(default)s)")
     p.add_argument("--standby-workers", type=int, default=0,
                    help="extra workers per model that load the model and wait; one takes over at once when a worker dies")
     p.add_argument("--engine", choices=("vllm", "sim"), default="vllm", help="vllm, or the simulated engine")
