@@ -151,10 +151,7 @@ def affinity() -> tuple[int, ...]:
 
 def usable_cpus() -> int:
     """CPUs this process may run on, cut by a cgroup v2 CPU quota ("cpu.max": quota period)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+    cpus = len(affinity()) or os.cpu_count() or 1
     quota = _cgroup_file("cpu.max")
     if quota:
         parts = quota.split()
@@ -179,9 +176,8 @@ def node_available_memory(root: Path = Path("/sys/devices/system/node"), cpus: s
     Seen on a 2-core VM: /proc/meminfo says 23.5 GiB, its one node 8.0 GiB; a worker planned 10 GiB
     of KV from the first failed to start. Large (no limit) where the kernel shows no nodes."""
     if cpus is None:
-        try:
-            cpus = set(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
+        cpus = set(affinity())
+        if not cpus:
             return 1 << 62
     total, found = 0, False
     for node in sorted(root.glob("node[0-9]*")):

@@ -127,7 +127,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
               f"{len(cluster.alive_nodes())} nodes)", flush=True)
     runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers,
                       watchdog=watchdog, worker_factory=worker_factory, autoscale=config.autoscale,
-                      cpu_sets=() if config.ray_address else config.worker_cpus)
+                      cpu_sets=config.worker_cpus)  # bound only where a worker is a local process
     if config.step_log:
         from tokenline.server.steplog import StepLog
 

@@ -19,12 +19,12 @@ pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="pinning needs two CPUs")
 TWO = set(CPUS[:2])
 
 
-def serve_on_two_cpus(*args: str) -> ServerProcess:
+def serve_on_two_cpus(*args: str, workers: int = 2) -> ServerProcess:
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, TWO)  # the server inherits it
     try:
         return ServerProcess("--engine", "sim", "--model", "tiny", "--idempotency-db", "off", "--log-level", "INFO",
-                             "--workers", "2", *args).start()
+                             "--workers", str(workers), *args).start()
     finally:
         os.sched_setaffinity(0, mine)
 
@@ -61,10 +61,9 @@ def test_two_pinned_workers_on_two_cpus_each_get_a_cpu_of_their_own_and_a_restar
 
 
 def test_by_default_or_with_workers_that_leave_cpus_over_the_os_places_them():
-    for args in ((), ("--pin-workers", "on", "--workers", "1")):
-        s = serve_on_two_cpus(*args)
+    for args, workers in (((), 2), (("--pin-workers", "on"), 1)):
+        s = serve_on_two_cpus(*args, workers=workers)
         try:
-            workers = 1 if "--workers" in args else 2
             assert wait_until(lambda: len(affinities(s)) == workers, timeout=30)
             assert all(cpus == TWO for cpus in affinities(s).values()), affinities(s)
             assert "pinned" not in s.output()
