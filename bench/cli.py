@@ -150,6 +150,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--ceiling-attention-kernel", default="auto",
                      help="the in-process engines' CPU attention kernel: auto (tokenline's policy: never one known to "
                           "answer wrongly), vllm (vLLM's own choice), or a kernel name (default %(default)s)")
+    cmp.add_argument("--rounds", type=int, default=3,
+                     help="measure saturation throughput this many times (box's best, tokenline, vllm serve; fresh prompts, "
+                          "engines and servers each round) and report the median ratios with their range: a small box "
+                          "varies by ±5 %% from run to run (default %(default)s)")
     cmp.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     cmp.add_argument("--out", default=None, help="output folder (default bench-results/compare-<time>)")
 

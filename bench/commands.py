@@ -270,7 +270,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         settings=settings, requests=args.requests, input_len=args.input_len, output_len=args.output_len,
         c1_requests=args.c1_requests, c1_output_len=args.c1_output_len, mixed_duration_s=args.mixed_duration_s,
         mixed_load=args.mixed_load, interactive_share=args.interactive_share, slo_ttft_ms=args.slo_ttft_ms,
-        slo_itl_ms=args.slo_itl_ms, seed=args.seed, tokenline_engine=args.tokenline_engine,
+        slo_itl_ms=args.slo_itl_ms, seed=args.seed, rounds=args.rounds, tokenline_engine=args.tokenline_engine,
         vllm_same_settings=args.vllm_same_settings, vllm_attention_kernel=args.vllm_attention_kernel,
         skip=frozenset(s.strip() for s in args.skip.split(",") if s.strip()),
     )  # fmt: skip

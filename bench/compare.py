@@ -15,6 +15,12 @@ tokenline runs with `tokenline serve`'s defaults (workers, threads and KV sized 
 unless settings are given; vllm serve with its own defaults, given only what it needs to start
 here (the same total KV cache as tokenline's workers), unless `vllm_same_settings`.
 
+With `rounds` > 1 the saturation figures are measured that many times, each round with
+fresh prompts (no prefix cache helps any round), fresh in-process engines and fresh servers, in
+alternating order; the throughput ratios are the median of the rounds' own ratios, with their
+range. A 2-core machine shared with the load generator varies by ±5 % from one run to the next,
+more than the differences the ratios are read for.
+
 The mixed load offers `mixed_load` × the lower of the two servers' saturation
 output throughput, a `interactive_share` of its tokens interactive. Its
 interactive SLO, unless given, is derived from the engine's own
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +69,7 @@ class CompareSpec:
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
     seed: int = 0
+    rounds: int = 1  # saturation measured this many times over (box's best, tokenline, vllm serve)
     skip: frozenset[str] = frozenset()
     tokenline_engine: str = "vllm"
     vllm_same_settings: bool = False  # True: vllm serve gets tokenline's engine settings, not its own defaults
@@ -73,11 +81,15 @@ class CompareSpec:
             raise ValueError(f"cannot skip {', '.join(sorted(unknown))}: steps are {', '.join(STEPS)}")
         if not 0 < self.interactive_share < 1:
             raise ValueError("interactive_share must be between 0 and 1")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {self.rounds}")
 
-    def saturation(self, target: str) -> BenchSpec:
+    def saturation(self, target: str, round_: int = 0) -> BenchSpec:
+        """All requests at once. Each round its own prompts (round 0: the seed; the concurrency-1
+        run has seed + 1): a server measured again must not find the last round's prompts cached."""
         stream = StreamSpec("saturation", concurrency=self.requests, input_len=LengthDist("fixed", self.input_len),
                             output_len=LengthDist("fixed", self.output_len))
-        return self._spec(target, (stream,), num_requests=self.requests)
+        return self._spec(target, (stream,), num_requests=self.requests, seed=self.seed + 1 + round_ if round_ else None)
 
     def concurrency1(self, target: str) -> BenchSpec:
         stream = StreamSpec("c1", concurrency=1, input_len=LengthDist("fixed", self.input_len),
@@ -102,10 +114,12 @@ class CompareSpec:
                          max_lag_ms=1000.0)
 
 
-def ceiling_requests(spec: CompareSpec) -> dict[str, list[dict]]:
-    """The exact requests of the saturation and concurrency-1 runs, for the engine-ceiling process."""
+def ceiling_requests(spec: CompareSpec, round_: int = 0) -> dict[str, list[dict]]:
+    """The exact requests of the saturation and concurrency-1 runs, for the engine-ceiling process;
+    after the first round only that round's saturation run."""
     out = {}
-    for name, bench in (("throughput", spec.saturation("")), ("sequential", spec.concurrency1(""))):
+    runs = [("throughput", spec.saturation("", round_))] + ([("sequential", spec.concurrency1(""))] if round_ == 0 else [])
+    for name, bench in runs:
         (factory,) = plan(bench)[1]
         out[name] = [{"prompt_ids": list(r.prompt_ids), "max_tokens": r.max_tokens, "ignore_eos": r.ignore_eos}
                      for r in (factory.make(i, None) for i in range(bench.num_requests or 0))]
@@ -121,7 +135,7 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
     failed: dict[str, str] = {}
 
     async def measure(server: ServerProcess, name: str, bench: BenchSpec) -> Outcome | None:
-        log(f"-- {server.kind}: {name}")
+        log(f"-- {server.kind}: {name.replace('-', ' ')}")
         try:
             outcome = await run_once(bench, label=f"{server.kind} {name}")
         except LoadGeneratorBehind as e:  # this run cannot be trusted; the others still can
@@ -163,10 +177,31 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
         with _start(servers[0], spec, out_dir) as server:
             await measure(server, "mixed", replace(mixed, target=server.address))
 
+    rounds = [{"box_best": best["output_throughput"] if best else None, "best_config": best["config"] if best else None,
+               **{kind: _saturation_figures(runs.get(f"{kind}/saturation")) for kind in servers}}]
+    for round_ in range(1, spec.rounds):
+        folder = out_dir / f"round-{round_}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "ceiling-requests.json"
+        path.write_text(json.dumps(ceiling_requests(spec, round_)))
+        figures: dict[str, Any] = {"box_best": None, "best_config": None}
+        steps = (["best"] if best is not None else []) + servers
+        for step in reversed(steps) if round_ % 2 else steps:  # alternating, so that a drifting machine favours no one
+            if step == "best":
+                log(f"-- round {round_ + 1} of {spec.rounds}")
+                b = box_best(spec, plan, path, folder, log)
+                figures.update(box_best=b["output_throughput"], best_config=b["config"])
+                continue
+            with _start(step, spec, folder) as server:
+                log(f"-- round {round_ + 1} of {spec.rounds}")
+                outcome = await measure(server, f"saturation-round-{round_ + 1}", spec.saturation(server.address, round_))
+                figures[step] = _saturation_figures(outcome)
+        rounds.append(figures)
+
     report = {"settings": spec.settings.__dict__, "plan": shape, "ceiling": ceiling, "box_best": best,
               "mixed_slo": slo.as_dict() if slo else None,
               "runs": {name: outcome.results for name, outcome in runs.items()}, "not_measured": failed,
-              "ratios": ratios(ceiling, runs, best)}
+              "rounds": rounds, "ratios": ratios(ceiling, runs, best, rounds)}
     (out_dir / "compare.json").write_text(json.dumps(jsonable(report), indent=2) + "\n")
     text = format_comparison(report)
     (out_dir / "compare.txt").write_text(text + "\n")
@@ -213,7 +248,37 @@ def mixed_slo(spec: CompareSpec, ceiling: dict | None, runs: dict[str, Outcome])
     return Slo(ttft_ms=spec.slo_ttft_ms or max(200.0, 4 * ttft), itl_ms=spec.slo_itl_ms or max(50.0, 2.5 * itl))
 
 
-def ratios(ceiling: dict | None, runs: dict[str, Outcome], best: dict | None = None) -> dict[str, Any]:
+def _saturation_figures(outcome: Outcome | None) -> dict[str, float] | None:
+    if outcome is None:
+        return None
+    return {key: outcome.results[key] for key in ("output_throughput", "p99_ttft_ms")}
+
+
+def round_ratios(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each round's own ratios, and their median and range over the rounds that measured both sides:
+    served throughput over the box's best engine (per server), and tokenline over vllm serve
+    (throughput, TTFT p99)."""
+    def per_round(num: str, den: str, key: str = "output_throughput") -> list[float]:
+        values = []
+        for r in rounds:
+            a = r.get(num) if num != "box_best" else {"output_throughput": r.get("box_best")}
+            b = r.get(den) if den != "box_best" else {"output_throughput": r.get("box_best")}
+            if a and b and a.get(key) and b.get(key):
+                values.append(a[key] / b[key])
+        return values
+
+    out: dict[str, Any] = {}
+    for name, values in (("tokenline_throughput_over_box_best", per_round("tokenline", "box_best")),
+                         ("vllm_throughput_over_box_best", per_round("vllm", "box_best")),
+                         ("tokenline_over_vllm_throughput", per_round("tokenline", "vllm")),
+                         ("tokenline_over_vllm_p99_ttft", per_round("tokenline", "vllm", "p99_ttft_ms"))):
+        if values:
+            out[name] = {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
+    return out
+
+
+def ratios(ceiling: dict | None, runs: dict[str, Outcome], best: dict | None = None,
+           rounds: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     def get(run: str, key: str, cls: str | None = None) -> float:
         outcome = runs.get(run)
         if outcome is None:
@@ -235,13 +300,28 @@ def ratios(ceiling: dict | None, runs: dict[str, Outcome], best: dict | None = N
               for key in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")}
         for run in ("c1", "saturation", "mixed")
     }
+    if rounds and len(rounds) > 1:  # several rounds: their medians stand for the throughput ratios
+        out["rounds"] = round_ratios(rounds)
+        for kind in ("tokenline", "vllm"):
+            if f"{kind}_throughput_over_box_best" in out["rounds"]:
+                out[f"{kind}_throughput_over_box_best"] = out["rounds"][f"{kind}_throughput_over_box_best"]["median"]
+        for name, key in (("tokenline_over_vllm_throughput", "output_throughput"), ("tokenline_over_vllm_p99_ttft", "p99_ttft_ms")):
+            if name in out["rounds"]:
+                out["tokenline_over_vllm"]["saturation"][key] = out["rounds"][name]["median"]
     return out
 
 
 def format_comparison(report: dict[str, Any]) -> str:
     runs, ceiling, r = report["runs"], report["ceiling"] or {}, report["ratios"]
 
+    rounds = report.get("rounds") or []
+    several = len(rounds) > 1
+
     def value(run: str, key: str, spec: str = ".1f", cls: str | None = None) -> str:
+        kind, _, name = run.partition("/")
+        if several and name == "saturation" and key in ("output_throughput", "p99_ttft_ms"):
+            measured = [r[kind][key] for r in rounds if r.get(kind)]
+            return fmt(statistics.median(measured) if measured else None, spec)
         results = runs.get(run)
         if results is not None and cls is not None:
             results = results["classes"].get(cls)
@@ -282,7 +362,21 @@ def format_comparison(report: dict[str, Any]) -> str:
         lines.append(f"the box's best engine: {best['config']}, {best['output_throughput']:,.0f} output tok/s ({measured}){kernel}")
         for kind, name in (("tokenline", "tokenline"), ("vllm", "vllm serve")):
             if f"{kind}_throughput_over_box_best" in r:
-                lines.append(f"{name}: served throughput ÷ the box's best engine {fmt(r[f'{kind}_throughput_over_box_best'], '.2f')}")
+                spread = r.get("rounds", {}).get(f"{kind}_throughput_over_box_best")
+                of = f" (median of {len(spread['rounds'])} rounds, {spread['min']:.2f}–{spread['max']:.2f})" if spread else ""
+                lines.append(f"{name}: served throughput ÷ the box's best engine {fmt(r[f'{kind}_throughput_over_box_best'], '.2f')}{of}")
+    if several:
+        lines.append(f"saturation measured in {len(rounds)} rounds (fresh prompts, engines and servers each); the table's "
+                     "saturation throughput and ttft p99 are the rounds' medians, their ratios the medians of each round's ratio:")
+        for i, rnd in enumerate(rounds, 1):
+            parts = [f"box's best {fmt(rnd.get('box_best'), ',.0f')}" + (f" ({rnd['best_config']})" if rnd.get("best_config") else "")]
+            for kind, name in (("tokenline", "tokenline"), ("vllm", "vllm serve")):
+                if kind in rnd:
+                    fig = rnd[kind] or {}
+                    ratio = fig.get("output_throughput") / rnd["box_best"] if fig.get("output_throughput") and rnd.get("box_best") else None
+                    parts.append(f"{name} {fmt(fig.get('output_throughput'), ',.0f')}"
+                                 + (f" ({ratio:.2f} of the best)" if ratio else "") + f", ttft p99 {fmt(fig.get('p99_ttft_ms'), ',.0f')} ms")
+            lines.append(f"  round {i}: " + "; ".join(parts))
     for kind, name in (("tokenline", "tokenline"), ("vllm", "vllm serve")):
         if f"{kind}_throughput_over_ceiling" in r:
             lines.append(f"{name}: served throughput ÷ engine with one worker's settings {fmt(r[f'{kind}_throughput_over_ceiling'], '.2f')}; "
