@@ -9,6 +9,11 @@ bulk gives way first (core.py). A request asking for 4,000 tokens that stops aft
 
 An interactive request is admitted only where its whole output would fit in the KV free now,
 so that growing into it later cannot push it out; it is still charged only what it holds.
+
+Prompt tokens are counted per class: a worker computes interactive prompts before bulk prompts it
+has not started (vLLM's priority order; engine/vllm_backend.py), so bulk prompts sent to it and not
+yet begun take an interactive request's room in no step. Interactive prompts take bulk's: they go
+first.
 """
 
 from __future__ import annotations
@@ -31,41 +36,64 @@ def blocks_for(entry: Entry, block_size: int, margin_tokens: int) -> int:
 
 
 class StepBudget:
+    """`prefill_tokens` / `fresh_step`: the step's prompt room for bulk, after every prompt sent
+    and not yet applied; `interactive_prefill_tokens` / `interactive_fresh`: for interactive, after
+    the interactive ones only (None: as bulk's)."""
+
     def __init__(self, slots: int, blocks: int, prefill_tokens: int, block_size: int, *, fresh_step: bool,
-                 margin_tokens: int = 0):
+                 margin_tokens: int = 0, interactive_prefill_tokens: int | None = None,
+                 interactive_fresh: bool | None = None):
         self.slots = slots
         self.blocks = blocks
         self.prefill_tokens = prefill_tokens
+        self.interactive_prefill_tokens = prefill_tokens if interactive_prefill_tokens is None else interactive_prefill_tokens
         self.block_size = block_size
         self.margin_tokens = margin_tokens
         # One prompt longer than the whole per-step budget may still go alone
         # into a step that has no other new prompt (vLLM chunks it).
         self._fresh_step = fresh_step
+        self._interactive_fresh = fresh_step if interactive_fresh is None else interactive_fresh
 
     def copy(self) -> StepBudget:
         return StepBudget(self.slots, self.blocks, self.prefill_tokens, self.block_size,
-                          fresh_step=self._fresh_step, margin_tokens=self.margin_tokens)
+                          fresh_step=self._fresh_step, margin_tokens=self.margin_tokens,
+                          interactive_prefill_tokens=self.interactive_prefill_tokens,
+                          interactive_fresh=self._interactive_fresh)
 
     def blocks_charged(self, entry: Entry) -> int:
         return blocks_for(entry, self.block_size, self.margin_tokens)
+
+    def _prompt_room(self, cls: TrafficClass) -> tuple[int, bool]:
+        if cls == TrafficClass.INTERACTIVE:
+            return self.interactive_prefill_tokens, self._interactive_fresh
+        return self.prefill_tokens, self._fresh_step
 
     def fits(self, entry: Entry) -> bool:
         if self.slots < 1 or self.blocks_charged(entry) > self.blocks:
             return False
         if entry.cls == TrafficClass.INTERACTIVE and blocks_at_most(entry, self.block_size) > self.blocks:
             return False
-        tokens = entry.prompt_tokens + entry.generated
-        return tokens <= self.prefill_tokens or self._fresh_step
+        room, fresh = self._prompt_room(entry.cls)
+        return entry.prompt_tokens + entry.generated <= room or fresh
 
     def try_admit(self, entry: Entry) -> bool:
         if not self.fits(entry):
             return False
+        tokens = entry.prompt_tokens + entry.generated
         self.slots -= 1
         self.blocks -= self.blocks_charged(entry)
-        self.prefill_tokens = max(self.prefill_tokens - (entry.prompt_tokens + entry.generated), 0)
+        self.prefill_tokens = max(self.prefill_tokens - tokens, 0)  # every prompt comes before bulk's next
         self._fresh_step = False
+        if entry.cls == TrafficClass.INTERACTIVE:
+            self.interactive_prefill_tokens = max(self.interactive_prefill_tokens - tokens, 0)
+            self._interactive_fresh = False
         return True
+
+    def exhausted_for(self, cls: TrafficClass) -> bool:
+        room, fresh = self._prompt_room(cls)
+        return self.slots < 1 or self.blocks < 1 or (room < 1 and not fresh)
 
     @property
     def exhausted(self) -> bool:
-        return self.slots < 1 or self.blocks < 1 or (self.prefill_tokens < 1 and not self._fresh_step)
+        """No room for bulk (the stricter view: interactive may still fit past bulk's pending prompts)."""
+        return self.exhausted_for(TrafficClass.BULK)

@@ -229,6 +229,7 @@ class Scheduler(AdmissionControl):
         w.under_way_step_s = w.plan.predicted_step_s
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
+            w.pending_interactive_prefill.pop(seq, None)
         w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
 
     def on_timer(self) -> list[Action]:
@@ -305,6 +306,8 @@ class Scheduler(AdmissionControl):
                 w = self.workers[wid]
                 w.seq += 1
                 w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in r.admitted[wid])
+                w.pending_interactive_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in r.admitted[wid]
+                                                           if self.entries[a.key].cls == TrafficClass.INTERACTIVE)
                 actions.append(Dispatch(wid, w.seq, tuple(r.admitted[wid]), idle_before=len(w.running) == len(r.admitted[wid])))
         return actions
 
@@ -467,23 +470,32 @@ class Scheduler(AdmissionControl):
         read the report, so what is admitted on its report (`at_boundary`) lands in the step after
         next: only pending prompts beyond one step's budget spill into that one. (Counting them all,
         a worker at saturation took a step's prompts every other step: one 256-token prompt a step
-        where its budget holds two, and its batch filled at half speed.)"""
+        where its budget holds two, and its batch filled at half speed.) An interactive request counts
+        only the interactive prompts pending: the worker computes it before bulk prompts it has not begun
+        (budget.py); counting those, it waited a report, and on a worker that runs ahead a step more.
+        Not until the worker's steps have shown what a sequence costs: before, the ITL target's rule
+        (`_keeps_itl_target`) would take any number of streams as free, and the pending bulk prompts
+        are what spaces interactive admissions out."""
         free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
+        budget = w.spec.prefill_token_budget
         pending = sum(w.pending_prefill.values())
+        interactive = sum(w.pending_interactive_prefill.values()) if w.cadence.knows_sequence_cost else pending
         if at_boundary and w.spec.runs_ahead:
-            pending = max(pending - w.spec.prefill_token_budget, 0)
+            pending, interactive = max(pending - budget, 0), max(interactive - budget, 0)
         return StepBudget(
             slots=w.slots_free(),
             blocks=free_blocks,
-            prefill_tokens=max(w.spec.prefill_token_budget - pending, 0),
+            prefill_tokens=max(budget - pending, 0),
             block_size=w.spec.block_size,
             fresh_step=pending == 0,
             margin_tokens=self.config.kv_margin_tokens,
+            interactive_prefill_tokens=max(budget - interactive, 0),
+            interactive_fresh=interactive == 0,
         )
 
     def _rule_fires(self, model_name: str, cls: TrafficClass, budget: StepBudget, now: float) -> bool:
         """Admit now if the budget would be filled, the window ran out, or a deadline is threatened."""
-        if budget.exhausted:
+        if budget.exhausted_for(cls):
             return False
         fires_at = self._rule_fires_at(model_name, self.models[model_name], cls)
         if fires_at is not None and fires_at <= now:
@@ -492,7 +504,7 @@ class Scheduler(AdmissionControl):
         for e in self.models[model_name].queues[cls]:
             if not trial.try_admit(e):
                 return True
-            if trial.exhausted:
+            if trial.exhausted_for(cls):
                 return True
         return False
 

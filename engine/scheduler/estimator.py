@@ -69,11 +69,14 @@ class StepEstimator:
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xty = [0.0] * 3
         self._coef = list(self._prior)
+        self._batch_sizes: set[int] = set()  # the first two seen; two tell a sequence's cost from the fixed part
 
     def observe(self, batch: int, prefill_tokens: int, step_s: float) -> None:
         """One step report: `batch` sequences, `prefill_tokens` prompt tokens, `step_s` seconds."""
         if batch < 1 or step_s <= 0:
             return
+        if len(self._batch_sizes) < 2:
+            self._batch_sizes.add(batch)
         x = (1.0, batch / _BATCH_SCALE, prefill_tokens / _PREFILL_SCALE)
         for i in range(3):
             self._xty[i] = self._decay * self._xty[i] + x[i] * step_s
@@ -84,6 +87,11 @@ class StepEstimator:
         coef = _solve_nonnegative(m, v)
         if coef is not None:
             self._coef = coef
+
+    @property
+    def knows_sequence_cost(self) -> bool:
+        """Has it seen steps of two batch sizes? Before, what one more sequence costs is its prior (0)."""
+        return len(self._batch_sizes) >= 2
 
     @property
     def prefill_per_token_s(self) -> float:

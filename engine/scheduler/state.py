@@ -22,6 +22,7 @@ class WorkerView:
     seq: int = 0  # last admission batch sent
     applied_seq: int = 0  # last admission batch the worker applied
     pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
+    pending_interactive_prefill: dict[int, int] = field(default_factory=dict)  # seq -> those of interactive requests
     last_report_at: float = 0.0  # when its last step ended (the next one began)
     plan: StepPlan = field(default_factory=StepPlan)  # the step plan last sent to it
     # Its step period as its streams see it (report to report while busy: the engine step plus the
