@@ -186,14 +186,13 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
         path.write_text(json.dumps(ceiling_requests(spec, round_)))
         figures: dict[str, Any] = {"box_best": None, "best_config": None}
         steps = (["best"] if best is not None else []) + servers
+        log(f"-- round {round_ + 1} of {spec.rounds}")
         for step in reversed(steps) if round_ % 2 else steps:  # alternating, so that a drifting machine favours no one
             if step == "best":
-                log(f"-- round {round_ + 1} of {spec.rounds}")
                 b = box_best(spec, plan, path, folder, log)
                 figures.update(box_best=b["output_throughput"], best_config=b["config"])
                 continue
             with _start(step, spec, folder) as server:
-                log(f"-- round {round_ + 1} of {spec.rounds}")
                 outcome = await measure(server, f"saturation-round-{round_ + 1}", spec.saturation(server.address, round_))
                 figures[step] = _saturation_figures(outcome)
         rounds.append(figures)
@@ -258,14 +257,12 @@ def round_ratios(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Each round's own ratios, and their median and range over the rounds that measured both sides:
     served throughput over the box's best engine (per server), and tokenline over vllm serve
     (throughput, TTFT p99)."""
+    def figure(r: dict[str, Any], side: str, key: str) -> float | None:
+        return r.get("box_best") if side == "box_best" else (r.get(side) or {}).get(key)
+
     def per_round(num: str, den: str, key: str = "output_throughput") -> list[float]:
-        values = []
-        for r in rounds:
-            a = r.get(num) if num != "box_best" else {"output_throughput": r.get("box_best")}
-            b = r.get(den) if den != "box_best" else {"output_throughput": r.get("box_best")}
-            if a and b and a.get(key) and b.get(key):
-                values.append(a[key] / b[key])
-        return values
+        pairs = [(figure(r, num, key), figure(r, den, key)) for r in rounds]
+        return [a / b for a, b in pairs if a and b]
 
     out: dict[str, Any] = {}
     for name, values in (("tokenline_throughput_over_box_best", per_round("tokenline", "box_best")),

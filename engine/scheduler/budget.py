@@ -38,21 +38,20 @@ def blocks_for(entry: Entry, block_size: int, margin_tokens: int) -> int:
 class StepBudget:
     """`prefill_tokens` / `fresh_step`: the step's prompt room for bulk, after every prompt sent
     and not yet applied; `interactive_prefill_tokens` / `interactive_fresh`: for interactive, after
-    the interactive ones only (None: as bulk's)."""
+    the interactive ones only."""
 
     def __init__(self, slots: int, blocks: int, prefill_tokens: int, block_size: int, *, fresh_step: bool,
-                 margin_tokens: int = 0, interactive_prefill_tokens: int | None = None,
-                 interactive_fresh: bool | None = None):
+                 interactive_prefill_tokens: int, interactive_fresh: bool, margin_tokens: int = 0):
         self.slots = slots
         self.blocks = blocks
         self.prefill_tokens = prefill_tokens
-        self.interactive_prefill_tokens = prefill_tokens if interactive_prefill_tokens is None else interactive_prefill_tokens
+        self.interactive_prefill_tokens = interactive_prefill_tokens
         self.block_size = block_size
         self.margin_tokens = margin_tokens
         # One prompt longer than the whole per-step budget may still go alone
         # into a step that has no other new prompt (vLLM chunks it).
         self._fresh_step = fresh_step
-        self._interactive_fresh = fresh_step if interactive_fresh is None else interactive_fresh
+        self._interactive_fresh = interactive_fresh
 
     def copy(self) -> StepBudget:
         return StepBudget(self.slots, self.blocks, self.prefill_tokens, self.block_size,

@@ -229,7 +229,6 @@ class Scheduler(AdmissionControl):
         w.under_way_step_s = w.plan.predicted_step_s
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
-            w.pending_interactive_prefill.pop(seq, None)
         w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
 
     def on_timer(self) -> list[Action]:
@@ -305,9 +304,9 @@ class Scheduler(AdmissionControl):
             if r.admitted[wid]:
                 w = self.workers[wid]
                 w.seq += 1
-                w.pending_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in r.admitted[wid])
-                w.pending_interactive_prefill[w.seq] = sum(self.entries[a.key].prompt_tokens + a.generated for a in r.admitted[wid]
-                                                           if self.entries[a.key].cls == TrafficClass.INTERACTIVE)
+                prompts = [(self.entries[a.key].prompt_tokens + a.generated, self.entries[a.key].cls) for a in r.admitted[wid]]
+                w.pending_prefill[w.seq] = (sum(n for n, _ in prompts),
+                                            sum(n for n, cls in prompts if cls == TrafficClass.INTERACTIVE))
                 actions.append(Dispatch(wid, w.seq, tuple(r.admitted[wid]), idle_before=len(w.running) == len(r.admitted[wid])))
         return actions
 
@@ -478,8 +477,8 @@ class Scheduler(AdmissionControl):
         are what spaces interactive admissions out."""
         free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
         budget = w.spec.prefill_token_budget
-        pending = sum(w.pending_prefill.values())
-        interactive = sum(w.pending_interactive_prefill.values()) if w.cadence.knows_sequence_cost else pending
+        pending = sum(n for n, _ in w.pending_prefill.values())
+        interactive = sum(n for _, n in w.pending_prefill.values()) if w.cadence.knows_sequence_cost else pending
         if at_boundary and w.spec.runs_ahead:
             pending, interactive = max(pending - budget, 0), max(interactive - budget, 0)
         return StepBudget(

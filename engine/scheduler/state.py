@@ -21,8 +21,8 @@ class WorkerView:
     reserved_blocks: int = 0
     seq: int = 0  # last admission batch sent
     applied_seq: int = 0  # last admission batch the worker applied
-    pending_prefill: dict[int, int] = field(default_factory=dict)  # seq -> prompt tokens not yet applied
-    pending_interactive_prefill: dict[int, int] = field(default_factory=dict)  # seq -> those of interactive requests
+    # seq -> (prompt tokens not yet applied, of which interactive requests')
+    pending_prefill: dict[int, tuple[int, int]] = field(default_factory=dict)
     last_report_at: float = 0.0  # when its last step ended (the next one began)
     plan: StepPlan = field(default_factory=StepPlan)  # the step plan last sent to it
     # Its step period as its streams see it (report to report while busy: the engine step plus the
