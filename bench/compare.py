@@ -285,6 +285,8 @@ def ratios(ceiling: dict | None, runs: dict[str, Outcome], best: dict | None = N
 
     out: dict[str, Any] = {}
     for kind in ("tokenline", "vllm"):
+        if not any(run.startswith(f"{kind}/") for run in runs):
+            continue  # skipped (or failed before any run): no ratios to print as "-"
         if ceiling is not None:
             out[f"{kind}_throughput_over_ceiling"] = get(f"{kind}/saturation", "output_throughput") / ceiling["throughput"]["output_throughput"]
             out[f"{kind}_ttft_overhead_ms_c1"] = get(f"{kind}/c1", "median_ttft_ms") - ceiling["sequential"]["median_ttft_ms"]

@@ -32,6 +32,17 @@ def test_without_the_best_engine_run_there_is_no_such_ratio():
     assert "tokenline_throughput_over_box_best" not in ratios(None, {"tokenline/saturation": outcome(1.0)})
 
 
+def test_a_server_that_was_not_measured_gets_no_ratio_lines():
+    runs = {"tokenline/saturation": outcome(570.0), "tokenline/c1": outcome(90.0, 110.0, 12.0)}
+    best = {"config": "2 engines × 1 thread", "output_throughput": 600.0, "configs": {"2 engines × 1 thread": 600.0}}
+    r = ratios(None, runs, best)
+    assert "vllm_throughput_over_box_best" not in r
+    text = format_comparison({"runs": {k: v.results for k, v in runs.items()}, "ceiling": None, "ratios": r,
+                              "box_best": best, "not_measured": {"vllm serve": "skipped"}})
+    assert "tokenline: served throughput ÷ the box's best engine 0.95" in text
+    assert "vllm serve: served throughput" not in text
+
+
 def test_the_concurrency_1_prompts_are_not_the_saturation_runs_so_ttft_is_never_a_prefix_cache_hit():
     from tokenline.bench.compare import CompareSpec, ceiling_requests
     from tokenline.bench.servers import EngineSettings
