@@ -8,6 +8,7 @@ The tiny model's text is gibberish: assertions are on token counts and ids.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 from dataclasses import replace
@@ -214,6 +215,18 @@ def test_an_item_the_engine_refuses_is_reported_and_the_worker_keeps_serving(wor
     assert "refused#0" in refused and refused["refused#0"]
     assert "refused#0" not in outputs
     assert len(tokens(outputs["fine#0"])) == 16
+
+
+def test_a_vllm_worker_idles_with_one_process_group_not_one_per_kind_of_parallelism(worker):
+    """One rank alone: every group vLLM makes is the default one, so one gloo loop thread (it wakes
+    every 10 ms) where there were thirteen."""
+    if worker.handle.config.backend != "vllm":
+        pytest.skip("the simulator makes no process groups")
+    names = [Path(f"/proc/{worker.handle.pid}/task/{tid}/comm").read_text().strip()
+             for tid in os.listdir(f"/proc/{worker.handle.pid}/task")]
+    assert names.count("gloo_tcp_loop") == 1, sorted(names)
+    outputs, _ = worker.run(item("after#0"))  # and it still serves
+    assert len(tokens(outputs["after#0"])) == 16
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
