@@ -369,10 +369,10 @@ def _one_group_for_one_process():
     vLLM makes a device group and a CPU group for each kind of parallelism (world, tensor, pipeline,
     data, expert...): here thirteen gloo groups of one rank, each with a thread that wakes every 10 ms
     (gloo's loop polls with a 10 ms timeout) — 1,284 wake-ups a second per worker, idle or not. Every
-    group op of a one-rank group is the same op on the default group (vLLM skips them at world size 1
-    anyway), so one group serves: 99 wake-ups a second per worker. Measured at saturation, side by
-    side, 2 workers: throughput +0.9 % (within the runs' noise), involuntary context switches of the
-    workers about half. GPU engines (NCCL groups) are built as vLLM makes them."""
+    op on a group of the one rank is the same op on the default group, so one group serves: 99
+    wake-ups a second per worker. Measured at saturation, side by side, 2 workers: throughput +0.9 %
+    (within the runs' noise), involuntary context switches of the workers about half. GPU engines
+    (NCCL groups) are built as vLLM makes them."""
     import torch.distributed as dist
     if torch.cuda.is_available():
         yield
@@ -391,6 +391,7 @@ def _one_group_for_one_process():
         dist.new_group = made
 
 
+@_one_group_for_one_process()
 def _build_engine(config: WorkerConfig, worker_id: int = 0) -> tuple[LLMEngine, str]:
     """The engine, and how its forward pass runs: "compiled" or "eager" (WorkerConfig.compile)."""
     # Linux must grant AMX before the CPU attention kernel first uses it, or the
@@ -399,13 +400,11 @@ def _build_engine(config: WorkerConfig, worker_id: int = 0) -> tuple[LLMEngine, 
         torch.cpu._init_amx()
     DecodeStreamPrimedAtACharacter.install()  # vLLM detokenizes with it
     if not config.compile:
-        with _one_group_for_one_process():
-            return LLMEngine.from_engine_args(_engine_args(config, eager=True)), "eager"
+        return LLMEngine.from_engine_args(_engine_args(config, eager=True)), "eager"
     log.info("worker %d: compiling the model (about a minute the first time on this machine; "
              "later starts reuse the compiled kernels)", worker_id)
     try:
-        with _one_group_for_one_process():
-            return LLMEngine.from_engine_args(_engine_args(config, eager=False)), "compiled"
+        return LLMEngine.from_engine_args(_engine_args(config, eager=False)), "compiled"
     except Exception as e:
         # No fallback to eager here: vLLM's sampler compiles a kernel of its own in eager mode too, so
         # what stops a compile (no C++ compiler) mostly stops both; the message says what to try.
