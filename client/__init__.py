@@ -15,7 +15,7 @@ from ._convert import GenerateOptions
 from ._client import Client, DeltaStream
 from ._jobs import Job, JobChunk
 from ._timing import StreamTiming, itl_gaps, stream_timing
-from ._types import Completion, Delta, ModelInfo, ServerTimeline, Usage
+from ._types import Completion, Delta, ModelInfo, PositionLogprobs, ServerTimeline, TokenLogprob, Usage
 from .errors import (
     AlreadyExists,
     Cancelled,
@@ -51,6 +51,8 @@ __all__ = [
     "Job",
     "JobChunk",
     "ModelInfo",
+    "PositionLogprobs",
+    "TokenLogprob",
     "NotFound",
     "Overloaded",
     "PermissionDenied",

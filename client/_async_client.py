@@ -21,7 +21,7 @@ from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 from ._channel import DEFAULT_TARGET, auth_metadata, channel_credentials, channel_options
 from ._client import MAX_REATTACH, prepare_call, reattach_backoff_s, resumed
-from ._convert import GenerateOptions, completion_from_response, delta_from_chunk, model_from_proto
+from ._convert import GenerateOptions, Message, completion_from_response, delta_from_chunk, model_from_proto, tokenize_request
 from ._jobs import Job, JobChunk, chunk_from_proto, job_from_proto, list_request, submit_request
 from ._types import Completion, Delta, ModelInfo
 from .errors import NotFound, error_from_rpc
@@ -155,6 +155,26 @@ class AsyncClient:
                 return False
             raise mapped from error
         return response.cancelled
+
+    async def tokenize(self, prompt: str | None = None, *, messages: Sequence[Message] | None = None, model: str = "",
+                 timeout: float | None = 30.0) -> list[int]:
+        """The token ids of a text or chat prompt, exactly as generate() would send them to the model."""
+        request = tokenize_request(prompt, messages, model)
+        try:
+            response = await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return list(response.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], *, model: str = "", skip_special_tokens: bool = False,
+                   timeout: float | None = 30.0) -> str:
+        """The text of some token ids."""
+        request = pb.DetokenizeRequest(model=model, token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        try:
+            response = await self._stub.Detokenize(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return response.text
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served models. Waits for the server to become reachable (up to `timeout`)."""

@@ -29,6 +29,8 @@ from ._convert import (
     completion_from_response,
     delta_from_chunk,
     model_from_proto,
+    Message,
+    tokenize_request,
 )
 from ._jobs import Job, JobChunk, chunk_from_proto, job_from_proto, list_request, submit_request
 from ._types import Completion, Delta, ModelInfo
@@ -201,6 +203,26 @@ class Client:
                 return False
             raise mapped from error
         return response.cancelled
+
+    def tokenize(self, prompt: str | None = None, *, messages: Sequence[Message] | None = None, model: str = "",
+                 timeout: float | None = 30.0) -> list[int]:
+        """The token ids of a text or chat prompt, exactly as generate() would send them to the model."""
+        request = tokenize_request(prompt, messages, model)
+        try:
+            response = self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return list(response.token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], *, model: str = "", skip_special_tokens: bool = False,
+                   timeout: float | None = 30.0) -> str:
+        """The text of some token ids."""
+        request = pb.DetokenizeRequest(model=model, token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        try:
+            response = self._stub.Detokenize(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return response.text
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served models. Waits for the server to become reachable (up to `timeout`)."""

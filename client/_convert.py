@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from tokenline.v1 import tokenline_pb2 as pb
 
-from ._types import Completion, Delta, ModelInfo, ServerTimeline, Usage
+from ._types import Completion, Delta, ModelInfo, PositionLogprobs, ServerTimeline, TokenLogprob, Usage
 
 # A chat message as a caller writes it: {"role": ..., "content": ...} or (role, content).
 Message = Mapping[str, str] | tuple[str, str]
@@ -44,6 +44,12 @@ class GenerateOptions(TypedDict, total=False):
     require_completion: with a deadline, refuse unless the whole completion fits;
     itl_target_ms: interactive only, this request's own inter-token latency target;
     timeout: bounds the call only.
+    min_p, repetition_penalty, presence_penalty, frequency_penalty, min_tokens,
+    stop_token_ids, logit_bias ({token id: bias}), include_stop_str_in_output: sampling, as
+    vLLM's SamplingParams; logprobs / prompt_logprobs: alternatives per token (0: the token's own
+    only); json_schema (a dict or JSON text), json_object, regex, choice, grammar: the output's
+    format (at most one).
+    max_tokens: left out, the server's default (the rest of the context, capped).
     """
 
     messages: Sequence[Message] | None
@@ -63,6 +69,21 @@ class GenerateOptions(TypedDict, total=False):
     require_completion: bool
     itl_target_ms: float
     timeout: float | None
+    min_p: float | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    min_tokens: int
+    stop_token_ids: Sequence[int]
+    logit_bias: Mapping[int, float]
+    include_stop_str_in_output: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    json_schema: Mapping | str | None
+    json_object: bool
+    regex: str | None
+    choice: Sequence[str] | None
+    grammar: str | None
 
 
 def build_request(
@@ -71,7 +92,7 @@ def build_request(
     messages: Sequence[Message] | None = None,
     token_ids: Sequence[int] | None = None,
     model: str = "",
-    max_tokens: int = 64,
+    max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -85,6 +106,21 @@ def build_request(
     resume_from_index: int = 0,
     require_completion: bool = False,
     itl_target_ms: float = 0.0,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    min_tokens: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    logit_bias: Mapping[int, float] | None = None,
+    include_stop_str_in_output: bool = False,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    json_schema: Mapping | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for one call. Raises ValueError on arguments no server would accept.
 
@@ -103,7 +139,7 @@ def build_request(
         )
     if traffic_class not in _TRAFFIC_CLASSES:
         raise ValueError(f"traffic_class must be 'interactive' or 'bulk', not {traffic_class!r}")
-    if max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
 
     request = pb.GenerateRequest(
@@ -116,10 +152,14 @@ def build_request(
         itl_target_ms=itl_target_ms,
         deadline_unix_ms=deadline_unix_ms,
         sampling=pb.SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max_tokens or 0,
             # A lone string is one stop string, not a list of characters.
             stop=[stop] if isinstance(stop, str) else list(stop),
             ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            stop_token_ids=_token_ids(stop_token_ids),
+            logit_bias={operator.index(t): float(b) for t, b in (logit_bias or {}).items()},
+            include_stop_str_in_output=include_stop_str_in_output,
         ),
     )
     for field, value in (
@@ -127,9 +167,19 @@ def build_request(
         ("top_p", top_p),
         ("top_k", top_k),
         ("seed", seed),
+        ("min_p", min_p),
+        ("repetition_penalty", repetition_penalty),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("logprobs", logprobs),
+        ("prompt_logprobs", prompt_logprobs),
     ):
         if value is not None:
             setattr(request.sampling, field, value)
+    formats = structured_output(json_schema=json_schema, json_object=json_object, regex=regex, choice=choice,
+                                grammar=grammar)
+    if formats is not None:
+        request.sampling.structured_output.CopyFrom(formats)
 
     if prompt is not None:
         request.text = prompt
@@ -140,6 +190,44 @@ def build_request(
     else:
         request.token_ids.CopyFrom(pb.TokenIds(ids=_token_ids(token_ids)))
     return request
+
+
+def tokenize_request(prompt: str | None, messages: Sequence[Message] | None, model: str = "") -> pb.TokenizeRequest:
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt or messages")
+    if prompt is not None:
+        return pb.TokenizeRequest(model=model, text=prompt)
+    return pb.TokenizeRequest(model=model, chat=pb.ChatMessages(messages=[chat_message(m) for m in messages]))
+
+
+def structured_output(*, json_schema: Mapping | str | None = None, json_object: bool = False, regex: str | None = None,
+                      choice: Sequence[str] | None = None, grammar: str | None = None) -> pb.StructuredOutput | None:
+    """The StructuredOutput for at most one format; None when none is given."""
+    given = {name: value for name, value in (("json_schema", json_schema), ("json_object", json_object or None),
+                                             ("regex", regex), ("choice", choice), ("grammar", grammar))
+             if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"give at most one output format, not {' and '.join(given)}")
+    if not given:
+        return None
+    (name, value), = given.items()
+    if name == "json_schema":
+        import json
+
+        return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if name == "choice":
+        if isinstance(value, str):
+            raise ValueError("choice is a list of strings, not one string")
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(value)))
+    if name == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(**{name: value})
+
+
+def logprobs_from_proto(positions) -> tuple[PositionLogprobs, ...]:
+    def one(t: pb.TokenLogprob) -> TokenLogprob:
+        return TokenLogprob(token_id=t.token_id, logprob=t.logprob, rank=t.rank, text=t.text)
+    return tuple(PositionLogprobs(one(p.token), tuple(one(t) for t in p.top)) for p in positions)
 
 
 def _token_ids(token_ids: Sequence[int]) -> list[int]:
@@ -201,7 +289,8 @@ def timeline_from_proto(timeline: pb.Timeline) -> ServerTimeline:
 
 
 def usage_from_proto(usage: pb.Usage) -> Usage:
-    return Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+    return Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                 cached_prompt_tokens=usage.cached_prompt_tokens)
 
 
 def delta_from_chunk(chunk: pb.GenerateChunk, received_at: float) -> Delta:
@@ -216,6 +305,8 @@ def delta_from_chunk(chunk: pb.GenerateChunk, received_at: float) -> Delta:
         finish_reason=finish_reason_name(chunk.finish_reason),
         usage=usage_from_proto(chunk.usage) if chunk.HasField("usage") else None,
         timeline=timeline_from_proto(chunk.timeline) if chunk.HasField("timeline") else None,
+        logprobs=logprobs_from_proto(chunk.logprobs),
+        prompt_logprobs=logprobs_from_proto(chunk.prompt_logprobs),
     )
 
 
@@ -228,6 +319,8 @@ def completion_from_response(response: pb.CompleteResponse) -> Completion:
         usage=usage_from_proto(response.usage) if response.HasField("usage") else None,
         timeline=timeline_from_proto(response.timeline) if response.HasField("timeline") else None,
         attempt=response.attempt,
+        logprobs=logprobs_from_proto(response.logprobs),
+        prompt_logprobs=logprobs_from_proto(response.prompt_logprobs),
     )
 
 
@@ -242,4 +335,12 @@ def model_from_proto(model: pb.ModelInfo) -> ModelInfo:
         attention_kernel=model.attention_kernel,
         self_check=model.self_check,
         execution=model.execution,
+        vocab_size=model.vocab_size,
+        eos_token_ids=tuple(model.eos_token_ids),
+        has_chat_template=model.has_chat_template,
+        default_max_tokens=model.default_max_tokens,
+        max_tokens_limit=model.max_tokens_limit,
+        max_prompt_tokens=model.max_prompt_tokens,
+        structured_output_formats=tuple(model.structured_output_formats),
+        chat_template=model.chat_template,
     )

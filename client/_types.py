@@ -15,6 +15,25 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # of prompt_tokens, found in the engine's prefix cache
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability: its id, natural-log probability, rank (1 = most likely) and text."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """At one position: the token there, and the most likely tokens (most likely first)."""
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,8 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     timeline: ServerTimeline | None = None
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token in token_ids, when asked for
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # on the first delta, when asked for
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,8 @@ class Completion:
     usage: Usage | None
     timeline: ServerTimeline | None
     attempt: int
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,3 +117,11 @@ class ModelInfo:
     attention_kernel: str = ""
     self_check: str = ""
     execution: str = ""  # "compiled" or "eager"
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    has_chat_template: bool = False
+    default_max_tokens: int = 0  # max_tokens of a request that sets none, at most
+    max_tokens_limit: int = 0
+    max_prompt_tokens: int = 0
+    structured_output_formats: tuple[str, ...] = ()
+    chat_template: str = ""

@@ -72,15 +72,23 @@ class StopAcrossAttempts:
     first, then each step's new text, shown as soon as no stop string can begin in it. The result
     is the uninterrupted rule: the text of the tokens, cut before the stop string that completes
     first (ties: the first listed), as vLLM's check_stop_strings picks.
+
+    With `include` (include_stop_str_in_output) nothing is held back: the stop string stays in the
+    text, which ends after it; `tail`, the end of the text already shown, lets a stop string that
+    began there complete in the new text.
     """
 
-    def __init__(self, held: str, stops: tuple[str, ...]):
+    def __init__(self, held: str, stops: tuple[str, ...], *, include: bool = False, tail: str = ""):
         self.pending = held
         self.stops = stops
         self.keep = max((len(s) for s in stops), default=1) - 1
+        self.include = include
+        self.tail = tail if include else ""
 
     def feed(self, text: str, *, finished: bool) -> tuple[str, bool]:
         """(text to show now, whether a stop string ended the sequence)."""
+        if self.include:
+            return self._feed_shown(text)
         self.pending += text
         hits = [(i + len(s), n, i) for n, s in enumerate(self.stops) if (i := self.pending.find(s)) >= 0]
         if hits:
@@ -90,3 +98,15 @@ class StopAcrossAttempts:
         cut = len(self.pending) if finished else max(len(self.pending) - self.keep, 0)
         shown, self.pending = self.pending[:cut], self.pending[cut:]
         return shown, False
+
+    def _feed_shown(self, text: str) -> tuple[str, bool]:
+        seen = self.tail + self.pending + text
+        start = len(self.tail)  # seen[start:] is not shown yet
+        ends = [(j + len(s), n) for n, s in enumerate(self.stops)
+                if (j := seen.find(s, max(start - len(s) + 1, 0))) >= 0]
+        self.pending = ""
+        if ends:
+            end, _ = min(ends)
+            return seen[start:end], True
+        self.tail = seen[len(seen) - self.keep:] if self.keep else ""
+        return seen[start:], False

@@ -397,6 +397,10 @@ class SimBackend:
             return f"the prompt needs more KV cache than this worker has ({self.kv_blocks_total} blocks)"
         if any(t < 0 or t >= self.model.vocab_size for t in item.prompt_token_ids):
             return f"the prompt has token ids outside the vocabulary (0..{self.model.vocab_size - 1})"
+        s = item.sampling
+        # The simulated model has no logits: what reads or constrains them is refused, never faked.
+        if s.logprobs is not None or s.prompt_logprobs is not None or s.structured[0]:
+            return "the simulated engine (--engine sim) computes no logits: logprobs and structured output need --engine vllm"
         return None
 
 

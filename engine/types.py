@@ -27,9 +27,22 @@ class FinishReason(enum.IntEnum):
     DEADLINE = 5
 
 
+# The log-probability of one token: (token id, logprob, rank from 1, the token's text).
+TokenLogprob = tuple[int, float, int, str]
+# At one position: the token there, and the most likely tokens (most likely first).
+PositionLogprobs = tuple[TokenLogprob, tuple[TokenLogprob, ...]]
+
+STRUCTURED_FORMATS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """Validated sampling settings (see SamplingParams in the proto)."""
+    """Validated sampling settings (see SamplingParams in the proto).
+
+    Plain values and tuples only: it crosses to workers pickled, is stored as JSON by the job
+    store (`from_dict` reads it back), and its repr is part of a request's fingerprint, so two
+    requests that differ in any field are different work.
+    """
 
     max_tokens: int = 64
     temperature: float = 1.0
@@ -38,6 +51,35 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by token id
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # alternatives per output token (0: the chosen token's only); None: none
+    prompt_logprobs: int | None = None
+    # Structured output: one of STRUCTURED_FORMATS and its text (a JSON schema, a regex, a grammar,
+    # the choices as a JSON list; "" for json_object), or ("", "") for free text.
+    structured: tuple[str, str] = ("", "")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Sampling":
+        """The inverse of dataclasses.asdict after a JSON round trip (lists back to tuples)."""
+        values = dict(values)
+        for name in ("stop", "stop_token_ids", "structured"):
+            if name in values:
+                values[name] = tuple(values[name])
+        if "logit_bias" in values:
+            values["logit_bias"] = tuple((int(t), float(b)) for t, b in values["logit_bias"])
+        return cls(**values)
+
+    @property
+    def penalised(self) -> bool:
+        """Presence or frequency penalties: they count the output so far, which a continuation must carry."""
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass(frozen=True)
@@ -60,6 +102,8 @@ class WorkItem:
     # The rest (held back while it could begin a stop string) comes first in this attempt's text.
     delivered_tokens: int = 0
     shown_chars: int = 0
+    # Prompt log-probabilities already delivered (by an earlier attempt): not computed again.
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +173,9 @@ class SeqOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[PositionLogprobs] | None = None  # with the first output, when asked
+    cached_tokens: int | None = None  # with the first output: prompt tokens found in the prefix cache
 
 
 @dataclass

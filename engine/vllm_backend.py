@@ -26,7 +26,8 @@ from tokenline.engine.config import WorkerConfig
 from tokenline.engine.detokenize import DecodeStreamPrimedAtACharacter, StopAcrossAttempts, delivered_text
 from tokenline.engine.kernels import step_plans_enabled, wrap_vllm_chooser
 from tokenline.engine.machine import choose_dtype, visible_gpus
-from tokenline.engine.types import FinishReason, Sampling, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
+from tokenline.engine.types import (FinishReason, PositionLogprobs, Sampling, SeqOutput, StepPlan, StepReport, WorkerSpec,
+                                    WorkItem)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,13 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm reads its sett
 
 import torch  # noqa: E402
 from vllm import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
+
+from tokenline.engine.vllm_continuation import EARLIER_OUTPUT, EarlierOutputPenalties, replay_grammar  # noqa: E402
+
+# A structured-output format the engine has not compiled in this long is refused: a pathological
+# schema holds only its own request (vLLM compiles in a thread pool), and only this long.
+GRAMMAR_COMPILE_LIMIT_S = 30.0
 
 
 class VllmBackend:
@@ -59,6 +66,9 @@ class VllmBackend:
         self._aborted: list[str] = []  # applied since the last report
         self._rejected: dict[str, str] = {}
         self._stops: dict[str, StopAcrossAttempts] = {}  # continuations whose stop strings this backend checks
+        self._logprobs: dict[str, int] = {}  # key -> alternatives per token, for requests that asked
+        self._fresh: set[str] = set()  # keys whose first output (prompt logprobs, cache hits) is still to come
+        self._structured: set[str] = set()  # keys with a structured-output format
 
     def spec(self) -> WorkerSpec:
         engine, config = self.engine, self.config
@@ -125,12 +135,16 @@ class VllmBackend:
             if item.delivered_tokens and sampling.stop:
                 # The text held back at the interruption comes first, and a stop string may span it
                 # and the new text, which vLLM would not see: the stop strings are checked here.
-                self._stops[item.key] = StopAcrossAttempts(self._held_text(item), sampling.stop)
+                held, tail = self._held_text(item)
+                self._stops[item.key] = StopAcrossAttempts(held, sampling.stop, include=sampling.include_stop_str_in_output,
+                                                           tail=tail)
                 sampling = replace(sampling, stop=())
+            params = sampling_params(sampling, delivered=item.delivered_tokens,
+                                     prompt_logprobs=not item.prompt_logprobs_sent)
             internal = self.engine.add_request(
                 item.key,
                 {"prompt_token_ids": list(item.prompt_token_ids)},
-                sampling_params(sampling),
+                params,
                 priority=item.priority,
             )
         except Exception as e:  # one bad item must not take the replica down with it
@@ -139,14 +153,24 @@ class VllmBackend:
             return
         self._internal_id[item.key] = internal
         self._key_of[internal] = item.key
+        self._fresh.add(item.key)
+        if sampling.logprobs is not None:
+            self._logprobs[item.key] = sampling.logprobs
+        if sampling.structured[0]:
+            self._structured.add(item.key)
+            delivered = list(item.prompt_token_ids[len(item.prompt_token_ids) - item.delivered_tokens:])
+            self.view.grammars[internal] = (time.monotonic(), delivered)
 
-    def _held_text(self, item: WorkItem) -> str:
-        """What the caller has not been shown of the delivered tokens' text."""
+    def _held_text(self, item: WorkItem) -> tuple[str, str]:
+        """(what the caller has not been shown of the delivered tokens' text, the end of what it has been
+        shown that a stop string could still complete from)."""
         ids = list(item.prompt_token_ids)
         cut = len(ids) - item.delivered_tokens
         tokenizer = self.engine.get_tokenizer()
         text = delivered_text(ids[:cut], ids[cut:], getattr(tokenizer, "_tokenizer", tokenizer))
-        return text[item.shown_chars:]
+        keep = max(map(len, item.sampling.stop), default=1) - 1
+        shown = text[:item.shown_chars]
+        return text[item.shown_chars:], shown[len(shown) - keep:] if keep else ""
 
     def abort(self, keys: tuple[str, ...]) -> None:
         live = [k for k in keys if k in self._internal_id]
@@ -166,6 +190,12 @@ class VllmBackend:
 
     def step(self) -> StepReport:
         self.view.start_step()
+        for internal, why in self.view.stuck_grammars(time.monotonic(), GRAMMAR_COMPILE_LIMIT_S):
+            key = self._key_of.get(internal)
+            if key is not None:
+                self.engine.abort_request([key])
+                self._forget(key)
+                self._rejected[key] = why
         t0 = time.perf_counter()
         request_outputs = self.engine.step() if self._internal_id else []
         step_s = time.perf_counter() - t0
@@ -213,15 +243,15 @@ class VllmBackend:
                 self._aborted.append(key)
             return None
         if reason == "error":
+            structured = key in self._structured
             self._forget(key)
-            self._rejected[key] = "the engine failed on this request"
+            self._rejected[key] = ("the engine could not compile the structured-output format" if structured
+                                   else "the engine failed on this request")
             return None
         if completion is None or (not completion.token_ids and not ro.finished):
             return None
         stops = self._stops.get(key)
-        if stops is not None:
-            return self._continued_output(ro, completion, stops)
-        return SeqOutput(
+        out = self._continued_output(ro, completion, stops) if stops is not None else SeqOutput(
             key=key,
             new_token_ids=list(completion.token_ids),
             text=completion.text,
@@ -229,6 +259,15 @@ class VllmBackend:
             finish_reason=finish_reason(reason, completion.stop_reason) if ro.finished else None,
             prompt_tokens=len(ro.prompt_token_ids or ()),
         )
+        if key in self._fresh:
+            self._fresh.discard(key)
+            out.cached_tokens = ro.num_cached_tokens or 0
+            if ro.prompt_logprobs:
+                out.prompt_logprobs = prompt_logprobs(ro.prompt_token_ids or (), ro.prompt_logprobs)
+        top = self._logprobs.get(key)
+        if top is not None:
+            out.logprobs = output_logprobs(completion.token_ids, completion.logprobs or (), top)
+        return out
 
     def _continued_output(self, ro: Any, completion: Any, stops: StopAcrossAttempts) -> SeqOutput:
         text, stopped = stops.feed(completion.text, finished=ro.finished)
@@ -249,22 +288,90 @@ class VllmBackend:
 
     def _forget(self, key: str) -> None:
         self._stops.pop(key, None)
+        self._logprobs.pop(key, None)
+        self._fresh.discard(key)
+        self._structured.discard(key)
         internal = self._internal_id.pop(key, None)
         self._key_of.pop(internal, None)
+        self.view.grammars.pop(internal, None)
         self._seen_scheduled.discard(key)
 
 
-def sampling_params(s: Sampling) -> SamplingParams:
+def sampling_params(s: Sampling, *, delivered: int = 0, prompt_logprobs: bool = True) -> SamplingParams:
+    """vLLM's SamplingParams for a run that continues after `delivered` tokens of the request's output
+    (the last `delivered` tokens of its prompt): what counts the output so far counts those too."""
+    penalties = {"presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+                 "repetition_penalty": s.repetition_penalty}
+    extra = None
+    if delivered and s.penalised:  # vLLM would not count the delivered tokens as output: ours does, all three
+        extra = {EARLIER_OUTPUT: {"delivered": delivered, "presence": s.presence_penalty,
+                                  "frequency": s.frequency_penalty, "repetition": s.repetition_penalty}}
+        penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     return SamplingParams(
         max_tokens=s.max_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=max(s.top_k, 0),  # 0: no top-k
+        min_p=s.min_p,
         seed=s.seed,
         stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
+        min_tokens=max(s.min_tokens - delivered, 0),
+        logit_bias=dict(s.logit_bias) or None,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs if prompt_logprobs else None,
+        structured_outputs=structured_outputs(s),
+        extra_args=extra,
         output_kind=RequestOutputKind.DELTA,
+        **penalties,
     )
+
+
+def structured_outputs(s: Sampling) -> StructuredOutputsParams | None:
+    kind, spec = s.structured
+    if not kind:
+        return None
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=spec)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "choice":
+        import json
+
+        return StructuredOutputsParams(choice=json.loads(spec))
+    return StructuredOutputsParams(**{kind: spec})  # regex, grammar
+
+
+def output_logprobs(token_ids: Any, logprobs: Any, top: int) -> list[PositionLogprobs]:
+    """One entry per new token from vLLM's per-position {token id: Logprob} dicts."""
+    out = []
+    for tid, position in zip(token_ids, logprobs):
+        out.append(_position(tid, position, top))
+    return out
+
+
+def prompt_logprobs(prompt_ids: Any, logprobs: Any) -> list[PositionLogprobs]:
+    """The prompt's, from its second token (vLLM's first entry is None: nothing precedes the first token)."""
+    out = []
+    for tid, position in zip(list(prompt_ids)[1:], list(logprobs)[1:]):
+        if position:
+            out.append(_position(tid, position, _top_count(position, tid)))
+    return out
+
+
+def _top_count(position: Any, tid: int) -> int:
+    """How many alternatives were asked for: vLLM adds the chosen token to them when it is not among them."""
+    return len(position) - (1 if position[tid].rank > len(position) - 1 else 0)
+
+
+def _position(tid: int, position: Any, top: int) -> PositionLogprobs:
+    chosen = position.get(tid)
+    own = (tid, float(chosen.logprob), int(chosen.rank), chosen.decoded_token or "") if chosen is not None else (tid, 0.0, 0, "")
+    alternatives = sorted(((t, float(lp.logprob), int(lp.rank), lp.decoded_token or "") for t, lp in position.items()
+                           if lp.rank is not None and lp.rank <= top), key=lambda x: x[2])
+    return own, tuple(alternatives[:top])
 
 
 def finish_reason(reason: str | None, stop_reason: int | str | None) -> FinishReason:
@@ -435,6 +542,7 @@ def _engine_args(config: WorkerConfig, *, eager: bool) -> EngineArgs:
         max_num_batched_tokens=config.prefill_token_budget,
         scheduling_policy="priority",
         disable_log_stats=True,
+        logits_processors=[EarlierOutputPenalties],
     )
 
 
@@ -491,6 +599,9 @@ class _SchedulerView:
         self.engine = engine
         self.scheduled: _Scheduled | None = None
         self.plan = StepPlan()
+        # Structured-output requests (vLLM's id) whose grammar is compiling: (added at, the delivered
+        # tokens to replay over it once compiled, for a continuation).
+        self.grammars: dict[str, tuple[float, list[int]]] = {}
         self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks - 1  # block 0 is never handed out
         try:
             self.scheduler = engine.engine_core.engine_core.scheduler
@@ -522,6 +633,8 @@ class _SchedulerView:
                 if paused:
                     scheduler.running = scheduler.running + paused
                 scheduler.max_num_scheduled_tokens = budget
+            if self.grammars:  # after schedule, before the engine computes this step's grammar masks
+                self._replay_grammars(scheduler)
             try:
                 self.scheduled = _summarise(scheduler, out)
                 self.scheduled.paused = len(paused)
@@ -531,6 +644,26 @@ class _SchedulerView:
 
         scheduler.schedule = recording_schedule
 
+
+    def _replay_grammars(self, scheduler: Any) -> None:
+        for internal, (_, delivered) in list(self.grammars.items()):
+            request = scheduler.requests.get(internal)
+            done = True if request is None else replay_grammar(request, delivered) if delivered else \
+                (request.structured_output_request is None or request.structured_output_request.grammar is not None)
+            if done is None:
+                continue
+            if done is False:
+                log.warning("the structured-output grammar refused the delivered tokens of %s", internal)
+            del self.grammars[internal]
+
+    def stuck_grammars(self, now: float, limit_s: float) -> list[tuple[str, str]]:
+        """Requests whose format has compiled for longer than `limit_s`, with the reason to give."""
+        if self.scheduler is None:
+            return []
+        if self.grammars:
+            self._replay_grammars(self.scheduler)
+        return [(internal, f"compiling the structured-output format took longer than {limit_s:.0f} s; simplify it")
+                for internal, (added, _) in self.grammars.items() if now - added > limit_s]
 
     def _hold_back(self, scheduler: Any) -> tuple[list[Any], int]:
         """Apply the plan to this step: (the bulk requests taken out of the running list, the token budget to restore)."""

@@ -22,6 +22,7 @@ class ServedModel:
     vocab_size: int
     tokenizer: Any  # transformers tokenizer
     max_token_chars: int = 64  # no token stands for more characters than this (see `longest_token_chars`)
+    eos_token_ids: tuple[int, ...] = ()  # the tokens that end generation (tokenizer and generation config)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -36,6 +37,11 @@ class ServedModel:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def chat_template(self) -> str:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else ""
+
 
 def load_served_model(name: str, path: pathlib.Path, version: str, max_model_len: int) -> ServedModel:
     from transformers import AutoTokenizer  # heavy: imported only when a server starts
@@ -45,7 +51,25 @@ def load_served_model(name: str, path: pathlib.Path, version: str, max_model_len
     context = modelconfig.context_len(config) or max_model_len
     vocab = int(config.get("vocab_size", len(tokenizer)))
     return ServedModel(name=name, path=path, version=version, max_context=min(context, max_model_len), vocab_size=vocab,
-                       tokenizer=tokenizer, max_token_chars=longest_token_chars(tokenizer))
+                       tokenizer=tokenizer, max_token_chars=longest_token_chars(tokenizer),
+                       eos_token_ids=eos_token_ids(path, tokenizer, config))
+
+
+def eos_token_ids(path: pathlib.Path, tokenizer: Any, config: dict) -> tuple[int, ...]:
+    """The tokenizer's end-of-sequence token and those of config.json and generation_config.json (vLLM stops on all)."""
+    import json
+
+    ids: list[int] = []
+    sources: list[Any] = [tokenizer.eos_token_id, config.get("eos_token_id")]
+    try:
+        sources.append(json.loads((path / "generation_config.json").read_text()).get("eos_token_id"))
+    except (OSError, ValueError):
+        pass
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
 
 
 def longest_token_chars(tokenizer: Any) -> int:

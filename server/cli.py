@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from tokenline.server.convert import Limits
 from tokenline.engine.config import ATTENTION_KERNELS, DTYPES, SELF_CHECK_MODES, MiB, WorkerConfig
 from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
 
@@ -113,6 +114,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="append one JSON line per worker step (batch, paused, prefill, step time) to FILE, for plots")
     p.add_argument("--bulk-floor", type=float, default=_SCHED.bulk_floor, help="share of slots kept for waiting bulk (default %(default)s)")
     p.add_argument("--max-attempts", type=int, default=ClassConfig.max_attempts, help="attempts per request across worker crashes")
+    p.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens,
+                   help="the most max_tokens a request may ask for (default %(default)s)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of a request that sets none: the rest of the context after its prompt, at most "
+                        f"this (default {Limits.default_max_tokens}, or --max-tokens-limit if lower)")
     p.add_argument("--step-watchdog-s", type=float, default=5.0,
                    help="a worker with work in flight that reports no step for this long (or 10x its longest recent "
                         "step, if more) is declared lost and killed, and its requests continue elsewhere; 0: off "
@@ -198,8 +204,10 @@ def run_serve(args: argparse.Namespace) -> int:
             bulk_floor=args.bulk_floor,
         )
         jobs = _job_config(args)
+        limits = Limits(max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens
+                        or min(Limits.default_max_tokens, args.max_tokens_limit))
         config = ServeConfig(host=args.host, port=args.port, models=((worker, plan.workers),), scheduler=sched,
-                             grace_s=args.grace_s, fault_marker=args.fault_marker,
+                             limits=limits, grace_s=args.grace_s, fault_marker=args.fault_marker,
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, idempotency_lease_s=args.idempotency_lease_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,

@@ -9,13 +9,14 @@ part and runs only on a request that passed `check`, off the loop.
 
 from __future__ import annotations
 
+import json
 import math
 import string
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from tokenline.engine.types import FinishReason, Sampling, TrafficClass
+from tokenline.engine.types import STRUCTURED_FORMATS, FinishReason, PositionLogprobs, Sampling, TrafficClass
 from tokenline.server.catalog import ServedModel
 from tokenline.server.errors import InvalidRequest, ModelNotFound, RunLost
 from tokenline.server.timeline import Timeline
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
     from tokenline.engine.types import WorkerSpec
     from tokenline.server.runtime import Chunk, RequestState
 
-DEFAULT_MAX_TOKENS = 64
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 20
 MAX_STOP_LEN = 256
 MAX_REQUEST_ID_LEN = 128
 MAX_CHAT_MESSAGES = 256
@@ -41,6 +44,13 @@ class Limits:
     max_prompt_tokens: int = 32_768
     max_tokens: int = 4096
     max_prompt_chars: int = 1_000_000
+    # A request that sets no max_tokens gets the rest of the context after its prompt, at most this.
+    default_max_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_tokens <= self.max_tokens:
+            raise ValueError(f"--default-max-tokens must be in [1, {self.max_tokens}] (the max_tokens limit), "
+                             f"got {self.default_max_tokens}")
 
 
 @dataclass
@@ -99,7 +109,7 @@ def check(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model
     model = pick_model(req.model, models, default_model)
     request_id = _request_id(req.request_id)
     cls = _traffic_class(req.traffic_class)
-    sampling = _sampling(req.sampling if req.HasField("sampling") else pb.SamplingParams(), limits)
+    sampling = _sampling(req.sampling if req.HasField("sampling") else pb.SamplingParams(), limits, model)
     chat = _check_prompt_size(req, model, limits)
     return CheckedRequest(req, model, sampling, cls, request_id, chat)
 
@@ -109,6 +119,18 @@ def tokenize(checked: CheckedRequest, limits: Limits) -> ValidRequest:
     req, model, sampling = checked.request, checked.model, checked.sampling
     prompt_ids = _prompt(req, model, limits, checked.chat)
     room = model.max_context - len(prompt_ids)
+    if sampling.structured[0]:
+        from tokenline.server.structured import check_format
+
+        check_format(*sampling.structured)
+    if not sampling.max_tokens:  # unset: the rest of the context, as vLLM's default, within the server's cap
+        if room < 1:
+            raise InvalidRequest(f"the prompt ({len(prompt_ids)} tokens) fills the context of {model.name} "
+                                 f"({model.max_context} tokens); shorten it")
+        sampling = replace(sampling, max_tokens=min(room, limits.default_max_tokens))
+        if sampling.min_tokens > sampling.max_tokens:
+            raise InvalidRequest(f"min_tokens ({sampling.min_tokens}) is more than the {sampling.max_tokens} tokens "
+                                 "left in the context after the prompt")
     if sampling.max_tokens > room:
         raise InvalidRequest(
             f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the context of "
@@ -142,8 +164,9 @@ def _traffic_class(value: int) -> TrafficClass:
     raise InvalidRequest(f"traffic_class {value} is not one of INTERACTIVE (1) or BULK (2)")
 
 
-def _sampling(s: pb.SamplingParams, limits: Limits) -> Sampling:
-    max_tokens = s.max_tokens or DEFAULT_MAX_TOKENS
+def _sampling(s: pb.SamplingParams, limits: Limits, model: ServedModel) -> Sampling:
+    """Every sampling field in range; max_tokens 0 when unset (`tokenize` sets it from the prompt's length)."""
+    max_tokens = s.max_tokens
     if max_tokens > limits.max_tokens:
         raise InvalidRequest(f"max_tokens {max_tokens} is above this server's limit of {limits.max_tokens}")
     temperature = s.temperature if s.HasField("temperature") else 1.0
@@ -164,7 +187,72 @@ def _sampling(s: pb.SamplingParams, limits: Limits) -> Sampling:
     if seed is not None and seed >= 2**63:
         raise InvalidRequest("seed must be below 2**63")
     return Sampling(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0),
-                    seed=seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+                    seed=seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos, **_more_sampling(s, model, max_tokens))
+
+
+def _in_range(s: pb.SamplingParams, name: str, default: float, low: float, high: float, *, open_low: bool = False) -> float:
+    value = getattr(s, name) if s.HasField(name) else default
+    ok = math.isfinite(value) and (low < value if open_low else low <= value) and value <= high
+    if not ok:
+        raise InvalidRequest(f"{name} must be in {'(' if open_low else '['}{low:g}, {high:g}], got {value}")
+    return float(value)
+
+
+def _more_sampling(s: pb.SamplingParams, model: ServedModel, max_tokens: int) -> dict:
+    """The fields beyond the first seven: penalties, token constraints, logprobs, structured output."""
+    if max_tokens and s.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({s.min_tokens}) must not be more than max_tokens ({max_tokens})")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(s.stop_token_ids)}")
+    _in_vocabulary("stop_token_ids", s.stop_token_ids, model)
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(s.logit_bias)}")
+    _in_vocabulary("logit_bias", s.logit_bias.keys(), model)
+    for token, bias in s.logit_bias.items():
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise InvalidRequest(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and getattr(s, name) > MAX_LOGPROBS:
+            raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {getattr(s, name)}")
+    return dict(
+        min_p=_in_range(s, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_in_range(s, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True),
+        presence_penalty=_in_range(s, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_in_range(s, "frequency_penalty", 0.0, -2.0, 2.0),
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        structured=_structured(s),
+    )
+
+
+def _in_vocabulary(name: str, ids, model: ServedModel) -> None:
+    bad = next((t for t in ids if t >= model.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary of {model.name} (0..{model.vocab_size - 1})")
+
+
+def _structured(s: pb.SamplingParams) -> tuple[str, str]:
+    """(format, its text) for Sampling.structured; the cheap checks only (`tokenize` parses it)."""
+    if not s.HasField("structured_output"):
+        return ("", "")
+    so = s.structured_output
+    kind = so.WhichOneof("format")
+    if kind is None:
+        raise InvalidRequest("structured_output is set but names no format: set one of " + ", ".join(STRUCTURED_FORMATS))
+    if kind == "json_object":
+        if not so.json_object:
+            raise InvalidRequest("structured_output.json_object must be true when set")
+        return ("json_object", "")
+    if kind == "choice":
+        return ("choice", json.dumps(list(so.choice.choices)))
+    text = getattr(so, kind)
+    if not text.strip():
+        raise InvalidRequest(f"structured_output.{kind} is empty")
+    return (kind, text)
 
 
 def max_prompt_tokens(model: ServedModel, limits: Limits) -> int:
@@ -294,8 +382,22 @@ def check_parsed(request: object, message: str) -> None:
 
 
 def chunk_pb(state: RequestState, chunk: Chunk) -> pb.GenerateChunk:
-    return pb.GenerateChunk(request_id=state.request_id, attempt=chunk.attempt, index=chunk.index,
-                            token_ids=chunk.token_ids, text=chunk.text)
+    msg = pb.GenerateChunk(request_id=state.request_id, attempt=chunk.attempt, index=chunk.index,
+                           token_ids=chunk.token_ids, text=chunk.text)
+    if chunk.logprobs:
+        msg.logprobs.extend(logprobs_pb(chunk.logprobs))
+    if chunk.index == 0 and state.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprobs_pb(state.prompt_logprobs))
+    return msg
+
+
+def logprobs_pb(positions: Sequence[PositionLogprobs]) -> list[pb.PositionLogprobs]:
+    return [pb.PositionLogprobs(token=_token_logprob(token), top=[_token_logprob(t) for t in top])
+            for token, top in positions]
+
+
+def _token_logprob(t: tuple[int, float, int, str]) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=t[0], logprob=t[1], rank=t[2], text=t[3])
 
 
 def final_chunk(state: RequestState) -> pb.GenerateChunk:
@@ -311,11 +413,13 @@ def complete_response(state: RequestState) -> pb.CompleteResponse:
         request_id=state.request_id, attempt=state.attempt, token_ids=state.token_ids, text="".join(state.text),
         finish_reason=finish_reason(state.finish_reason), usage=_usage(state),
         timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
+        logprobs=logprobs_pb(state.logprobs or ()), prompt_logprobs=logprobs_pb(state.prompt_logprobs or ()),
     )
 
 
 def _usage(state: RequestState) -> pb.Usage:
-    return pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids))
+    return pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids),
+                    cached_prompt_tokens=state.cached_tokens)
 
 
 def replay_chunks(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, resume_from: int) -> Iterator[pb.GenerateChunk]:
@@ -323,7 +427,9 @@ def replay_chunks(result: pb.CompleteResponse, token_text: tuple[str, ...] | Non
     if resume_from < len(result.token_ids):
         yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=resume_from,
                                token_ids=result.token_ids[resume_from:],
-                               text=_text_from(result, token_text, resume_from))
+                               text=_text_from(result, token_text, resume_from),
+                               logprobs=result.logprobs[resume_from:],
+                               prompt_logprobs=result.prompt_logprobs if resume_from == 0 else ())
     yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=len(result.token_ids),
                            finish_reason=result.finish_reason, usage=result.usage, timeline=result.timeline)
 
@@ -339,7 +445,7 @@ def _text_from(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, 
                   "to receive it whole")
 
 
-def model_info(model: ServedModel, specs: list[WorkerSpec]) -> pb.ModelInfo:
+def model_info(model: ServedModel, specs: list[WorkerSpec], limits: Limits) -> pb.ModelInfo:
     """A served model and the workers that have it loaded now."""
     first = specs[0] if specs else None
     return pb.ModelInfo(name=model.name, version=model.version, max_context=model.max_context,
@@ -347,4 +453,42 @@ def model_info(model: ServedModel, specs: list[WorkerSpec]) -> pb.ModelInfo:
                         dtype=first.dtype if first else "",
                         attention_kernel=first.attention_kernel if first else "",
                         self_check=first.self_check if first else "",
-                        execution=first.execution if first else "")
+                        execution=first.execution if first else "",
+                        vocab_size=model.vocab_size, eos_token_ids=model.eos_token_ids,
+                        has_chat_template=model.has_chat_template, chat_template=model.chat_template,
+                        default_max_tokens=min(limits.default_max_tokens, model.max_context - 1),
+                        max_tokens_limit=limits.max_tokens, max_prompt_tokens=max_prompt_tokens(model, limits),
+                        structured_output_formats=STRUCTURED_FORMATS)
+
+
+# ------------------------------------------------------------- tokenizer RPCs
+
+
+def tokenize_prompt(req: pb.TokenizeRequest, models: dict[str, ServedModel], default_model: str,
+                    limits: Limits) -> pb.TokenizeResponse:
+    """A TokenizeRequest's prompt as a GenerateRequest with it would be tokenized. Blocking: off the loop."""
+    model = pick_model(req.model, models, default_model)
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("a prompt is required: set text or chat")
+    gen = pb.GenerateRequest(model=req.model)
+    if kind == "text":
+        gen.text = req.text
+    else:
+        gen.chat.CopyFrom(req.chat)
+    chat = _check_prompt_size(gen, model, limits)
+    ids = _prompt(gen, model, limits, chat)
+    pieces = [model.tokenizer.decode([t]) for t in ids]
+    return pb.TokenizeResponse(token_ids=ids, pieces=pieces, max_context=model.max_context)
+
+
+MAX_DETOKENIZE_IDS = 1_000_000
+
+
+def detokenize_ids(req: pb.DetokenizeRequest, models: dict[str, ServedModel], default_model: str) -> pb.DetokenizeResponse:
+    model = pick_model(req.model, models, default_model)
+    if len(req.token_ids) > MAX_DETOKENIZE_IDS:
+        raise InvalidRequest(f"at most {MAX_DETOKENIZE_IDS} token ids can be detokenized at once, got {len(req.token_ids)}")
+    _in_vocabulary("token_ids", req.token_ids, model)
+    text = model.tokenizer.decode(list(req.token_ids), skip_special_tokens=req.skip_special_tokens)
+    return pb.DetokenizeResponse(text=text)

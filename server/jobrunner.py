@@ -69,9 +69,7 @@ def job_fingerprint(model: str, sampling: Sampling, prompt_ids: list[int]) -> st
 
 
 def sampling_from_json(text: str) -> Sampling:
-    values = json.loads(text)
-    values["stop"] = tuple(values.get("stop", ()))
-    return Sampling(**values)
+    return Sampling.from_dict(json.loads(text))
 
 
 class JobRunner:

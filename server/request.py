@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 from tokenline.engine.scheduler.records import Entry
-from tokenline.engine.types import FinishReason, Sampling, TrafficClass
+from tokenline.engine.types import FinishReason, PositionLogprobs, Sampling, TrafficClass
 from tokenline.server.errors import ServingError
 from tokenline.server.timeline import Timeline
 
@@ -40,6 +40,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     attempt: int
+    logprobs: list[PositionLogprobs] | None = None  # one per token, when the request asked for them
 
 
 class RequestState:
@@ -65,6 +66,10 @@ class RequestState:
         self.idempotency_key = idempotency_key
         self.token_ids: list[int] = []
         self.text: list[str] = []  # per token, so a stream can resume at any index
+        # Per token, when sampling.logprobs is set: sent once per index, whatever the attempt.
+        self.logprobs: list[PositionLogprobs] | None = [] if sampling.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs] | None = None  # once the engine gave them
+        self.cached_tokens = 0  # prompt tokens the prefix cache held, on the first run
         self.finish_reason: FinishReason | None = None
         self.error: ServingError | None = None
         # One mailbox per caller following this run (a retry with the same idempotency key attaches).
@@ -92,11 +97,16 @@ class RequestState:
         """A new mailbox, primed with what was produced after `from_index` so far."""
         q: asyncio.Queue = asyncio.Queue()
         if len(self.token_ids) > from_index:
-            q.put_nowait(Chunk(from_index, self.token_ids[from_index:], "".join(self.text[from_index:]), self.attempt))
+            q.put_nowait(self.chunk_from(from_index, len(self.token_ids)))
         if self.done:
             q.put_nowait(_END)
         self.subscribers.append(q)
         return q
+
+    def chunk_from(self, start: int, end: int) -> Chunk:
+        """What was produced at indexes [start, end), as one chunk."""
+        return Chunk(start, self.token_ids[start:end], "".join(self.text[start:end]), self.attempt,
+                     self.logprobs[start:end] if self.logprobs is not None else None)
 
     def unsubscribe(self, q: asyncio.Queue) -> int:
         """Forget a mailbox; returns how many callers still follow the run."""

@@ -153,9 +153,9 @@ class Runtime:
             if item.index + len(item.token_ids) <= from_index:
                 continue  # a resumed stream already has these
             if item.index < from_index:
-                end = item.index + len(item.token_ids)
-                item = Chunk(from_index, state.token_ids[from_index:end], "".join(state.text[from_index:end]), item.attempt)
-            chunk = Chunk(item.index, list(item.token_ids), item.text, item.attempt)  # shared: never mutate
+                item = state.chunk_from(from_index, item.index + len(item.token_ids))
+            chunk = Chunk(item.index, list(item.token_ids), item.text, item.attempt,  # shared: never mutate
+                          list(item.logprobs) if item.logprobs is not None else None)
             while not mailbox.empty():
                 nxt = mailbox.get_nowait()
                 if nxt is _END or nxt.attempt != chunk.attempt:
@@ -163,6 +163,8 @@ class Runtime:
                     break
                 chunk.token_ids.extend(nxt.token_ids)
                 chunk.text += nxt.text
+                if chunk.logprobs is not None and nxt.logprobs is not None:
+                    chunk.logprobs.extend(nxt.logprobs)
             yield chunk
 
     def leave(self, state: RequestState, mailbox: asyncio.Queue) -> None:
@@ -189,12 +191,20 @@ class Runtime:
             st = self.requests.get(d.key)
             if st is None:
                 continue
+            if d.cached_tokens is not None and st.attempt == 1 and not st.token_ids:
+                st.cached_tokens = d.cached_tokens
+            if d.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = d.prompt_logprobs
             if d.token_ids:
                 st.timeline.on_tokens(now, len(d.token_ids))
                 index = len(st.token_ids)
                 st.token_ids.extend(d.token_ids)
                 st.text.extend([""] * (len(d.token_ids) - 1) + [d.text])
-                st.emit(Chunk(index, list(d.token_ids), d.text, st.attempt))
+                logprobs = None
+                if st.logprobs is not None:
+                    logprobs = list(d.logprobs or ())[:len(d.token_ids)]
+                    st.logprobs.extend(logprobs)
+                st.emit(Chunk(index, list(d.token_ids), d.text, st.attempt, logprobs))
             if d.finish_reason is not None:
                 self._finish(d.key, d.finish_reason, at=now)
         _run_hooks(self.on_step, result)
@@ -270,7 +280,8 @@ class Runtime:
             sampling = replace(st.sampling, max_tokens=st.sampling.max_tokens - adm.generated) if adm.generated else st.sampling
             items.append(WorkItem(adm.run_key, tuple(st.prompt_ids) + tuple(delivered), sampling,
                                   priority=0 if st.cls == TrafficClass.INTERACTIVE else 1, fault_marker=st.fault_marker,
-                                  delivered_tokens=adm.generated, shown_chars=sum(map(len, st.text[:adm.generated]))))
+                                  delivered_tokens=adm.generated, shown_chars=sum(map(len, st.text[:adm.generated])),
+                                  prompt_logprobs_sent=st.prompt_logprobs is not None))
         self._send(d.worker_id, Admit(d.seq, tuple(items)))
 
     def _send(self, wid: int | None, msg: object) -> None:

@@ -100,8 +100,28 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         except ServingError as err:
             await abort_with(context, err)
         specs = list(self.runtime.specs.values())
-        return pb.ListModelsResponse(models=[convert.model_info(m, [s for s in specs if s.model == m.name])
+        return pb.ListModelsResponse(models=[convert.model_info(m, [s for s in specs if s.model == m.name], self.limits)
                                              for m in self.models.values()])
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            convert.check_parsed(request, "TokenizeRequest")
+            self._tenant(context)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._request_work, convert.tokenize_prompt, request, self.models,
+                                              self.default_model, self.limits)
+        except ServingError as err:
+            await abort_with(context, err)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        try:
+            convert.check_parsed(request, "DetokenizeRequest")
+            self._tenant(context)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._request_work, convert.detokenize_ids, request, self.models,
+                                              self.default_model)
+        except ServingError as err:
+            await abort_with(context, err)
 
     # ------------------------------------------------------------- helpers
 
@@ -212,6 +232,10 @@ def add_to_server(servicer: TokenlineServicer, server: grpc.aio.Server) -> None:
                                                       response_serializer=pb.CancelResponse.SerializeToString),
         "ListModels": grpc.unary_unary_rpc_method_handler(servicer.ListModels, request_deserializer=_parse(pb.ListModelsRequest),
                                                           response_serializer=pb.ListModelsResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(servicer.Tokenize, request_deserializer=_parse(pb.TokenizeRequest),
+                                                        response_serializer=pb.TokenizeResponse.SerializeToString),
+        "Detokenize": grpc.unary_unary_rpc_method_handler(servicer.Detokenize, request_deserializer=_parse(pb.DetokenizeRequest),
+                                                          response_serializer=pb.DetokenizeResponse.SerializeToString),
         # Durable jobs (server/jobrpcs.py).
         "SubmitJob": grpc.unary_unary_rpc_method_handler(servicer.SubmitJob, request_deserializer=_parse(pb.SubmitJobRequest),
                                                          response_serializer=pb.Job.SerializeToString),

@@ -199,7 +199,8 @@ class Scheduler(AdmissionControl):
             e.prefilled = e.prefilled or bool(out.new_token_ids)
             e.est_finish = now + e.remaining * step
             reason = (out.finish_reason or FinishReason.STOP) if out.finished else None
-            result.deliveries.append(Delivery(e.key, out.new_token_ids, out.text, reason))
+            result.deliveries.append(Delivery(e.key, out.new_token_ids, out.text, reason, out.logprobs,
+                                              out.prompt_logprobs, out.cached_tokens))
             if out.finished:
                 self._finish(e, now)
             else:

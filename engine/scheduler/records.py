@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tokenline.engine.scheduler.status import FINAL, Status
-from tokenline.engine.types import FinishReason, StepPlan, StepReport, TrafficClass
+from tokenline.engine.types import FinishReason, PositionLogprobs, StepPlan, StepReport, TrafficClass
 
 RUN_SEPARATOR = "@"  # run key = f"{request key}@{run}": the one place the format is written and read
 
@@ -161,6 +161,9 @@ class Delivery:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per token, when the request asked for them
+    prompt_logprobs: list[PositionLogprobs] | None = None  # with a run's first output, when asked
+    cached_tokens: int | None = None  # with a run's first output: prompt tokens the prefix cache held
 
 
 @dataclass

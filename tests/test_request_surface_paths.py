@@ -1,0 +1,195 @@
+"""Every request feature through every path tokenline promises: a worker SIGKILLed mid-output, a run
+preempted mid-output, an idempotent replay resumed from an index, a re-attach, a durable job.
+
+A continuation is a new engine request whose prompt ends with the delivered tokens, so each feature
+that reads "the output so far" must be carried across: presence/frequency penalties count the
+delivered tokens, min_tokens counts them, a structured-output grammar is advanced over them, and
+logprobs are sent once per index. Each case states what an uninterrupted request would show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from tokenline.client import AsyncClient, Client
+from tokenline.client.errors import InvalidRequest
+from tests.support import ServerProcess
+from tests.test_failures import worker_pids
+from tests.test_request_surface import SCHEMA, valid_against_schema
+
+pytestmark = pytest.mark.engine
+
+EOS = 2  # the tiny model's end-of-sequence token
+
+
+def _no_repeat(deltas, tokens, text):
+    assert len(set(tokens)) == len(tokens), f"a token repeated under presence_penalty: {tokens}"
+    assert len(tokens) == 120
+
+
+def _min_tokens(deltas, tokens, text):
+    # The end-of-sequence token is forced (+100) as soon as min_tokens allows: at index 60 exactly.
+    assert len(tokens) == 61 and tokens[-1] == EOS and EOS not in tokens[:-1], tokens
+
+
+def _regex(deltas, tokens, text):
+    assert text == "abc" * 40, text
+
+
+def _json(deltas, tokens, text):
+    assert deltas[-1].finish_reason == "stop" and valid_against_schema(text), text
+
+
+def _logprobs(deltas, tokens, text):
+    positions = [p for d in deltas for p in d.logprobs]
+    assert [p.token.token_id for p in positions] == tokens  # one per index, none twice, none missing
+    assert all(len(p.top) == 2 and p.token.rank == 1 for p in positions)
+
+
+CASES = {
+    "presence penalty": (dict(temperature=0, presence_penalty=1.5, ignore_eos=True, max_tokens=120), _no_repeat),
+    "min_tokens": (dict(temperature=0, min_tokens=60, logit_bias={EOS: 100}, max_tokens=200), _min_tokens),
+    "regex": (dict(temperature=0, regex="(abc){40}", max_tokens=300), _regex),
+    "json schema": (dict(temperature=1.0, seed=4, json_schema=SCHEMA, max_tokens=500), _json),
+    "logprobs": (dict(temperature=0, logprobs=2, ignore_eos=True, max_tokens=120), _logprobs),
+}
+
+
+def check_stream(client: Client, case: str, deltas) -> None:
+    """What every stream promises (contiguous, text of its tokens), then the case's own promise."""
+    with_tokens = [d for d in deltas if d.token_ids]
+    index = 0
+    for d in with_tokens:
+        assert d.index == index, f"{case}: chunk at {d.index}, expected {index}"
+        index += len(d.token_ids)
+    tokens = [t for d in deltas for t in d.token_ids]
+    text = "".join(d.text for d in deltas)
+    assert text == client.detokenize(tokens, skip_special_tokens=True).rstrip("\ufffd"), case
+    CASES[case][1](deltas, tokens, text)
+
+
+async def _streams(address, cases, *, cls="interactive", on_progress=None):
+    """Each case's stream, token-id prompts; `on_progress(counts)` after every chunk, until it returns True."""
+    counts = [0] * len(cases)
+    fired = asyncio.Event()
+
+    async with AsyncClient(address) as client:
+        async def one(i, case):
+            deltas = []
+            async for d in client.generate(token_ids=[5, 6, 7, 8 + i], traffic_class=cls, **CASES[case][0]):
+                deltas.append(d)
+                counts[i] += len(d.token_ids)
+                if on_progress is not None and not fired.is_set() and await on_progress(counts):
+                    fired.set()
+            return deltas
+        results = await asyncio.gather(*(one(i, c) for i, c in enumerate(cases)))
+    assert on_progress is None or fired.is_set(), "the interruption never happened"
+    return results
+
+
+@pytest.fixture(scope="module")
+def crash_server():
+    s = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
+                      "--log-level", "WARNING").start()
+    yield s
+    s.stop()
+
+
+def test_each_feature_continues_as_if_uninterrupted_after_its_worker_is_sigkilled_mid_output(crash_server):
+    cases = [c for c in CASES for _ in range(2)]
+
+    async def kill_when_all_started(counts):
+        if min(counts) < 8:
+            return False
+        for pid in worker_pids(crash_server):
+            os.kill(pid, signal.SIGKILL)
+        return True
+
+    results = asyncio.run(_streams(crash_server.address, cases, on_progress=kill_when_all_started))
+    with Client(crash_server.address) as client:
+        for case, deltas in zip(cases, results):
+            assert deltas[-1].timeline.attempts == 2, f"{case} was not continued: {deltas[-1].timeline}"
+            check_stream(client, case, deltas)
+
+
+@pytest.fixture(scope="module")
+def preempting_server():
+    # 8 slots, none held for interactive: an interactive arrival takes its slot from a bulk run.
+    s = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "8", "--interactive-slots", "0",
+                      "--max-model-len", "1024", "--bulk-window-ms", "5", "--log-level", "WARNING").start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_feature_continues_as_if_uninterrupted_after_a_preemption_mid_output(preempting_server, case):
+    people: list = []
+
+    async def people_arrive(counts):
+        if min(counts) < 8:
+            return False
+        async with AsyncClient(preempting_server.address) as client:
+            async def person(i):
+                return [d async for d in client.generate(f"person {i}", max_tokens=4, ignore_eos=True)]
+            people.extend(await asyncio.gather(*(person(i) for i in range(4))))
+        return True
+
+    results = asyncio.run(_streams(preempting_server.address, [case] * 8, cls="bulk", on_progress=people_arrive))
+    assert all(sum(len(d.token_ids) for d in p) == 4 for p in people)
+    preempted = [r for r in results if r[-1].timeline.preemptions]
+    assert preempted, "no bulk run was preempted mid-output"
+    with Client(preempting_server.address) as client:
+        for deltas in results:
+            check_stream(client, case, deltas)
+
+
+def test_logprobs_survive_an_idempotent_replay_resumed_from_an_index_and_a_re_attach(crash_server):
+    with Client(crash_server.address) as client:
+        first = client.complete(token_ids=[9, 9, 9], max_tokens=30, ignore_eos=True, temperature=0, logprobs=2,
+                                prompt_logprobs=1, idempotency_key="surface-replay")
+        assert len(first.logprobs) == 30 and len(first.prompt_logprobs) == 2
+        from tokenline.client._convert import build_request
+        from tokenline.v1 import tokenline_pb2 as pb, tokenline_pb2_grpc as pb_grpc
+        import grpc
+        request = build_request(token_ids=[9, 9, 9], max_tokens=30, ignore_eos=True, temperature=0, logprobs=2,
+                                prompt_logprobs=1, idempotency_key="surface-replay", resume_from_index=12)
+        with grpc.insecure_channel(crash_server.address) as channel:
+            chunks = list(pb_grpc.TokenlineStub(channel).Generate(request, timeout=30))
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert chunks[0].index == 12 and tokens == list(first.token_ids[12:])
+        replayed = [p.token.token_id for c in chunks for p in c.logprobs]
+        assert replayed == tokens  # the stored logprobs from index 12 on, once each
+        assert [p.token.logprob for c in chunks for p in c.logprobs] == pytest.approx([p.token.logprob for p in first.logprobs[12:]])
+        assert not any(c.prompt_logprobs for c in chunks)  # they belong to index 0, which was not asked for
+
+    async def attach():
+        async with AsyncClient(crash_server.address) as client:
+            kwargs = dict(token_ids=[8, 8, 8], max_tokens=400, ignore_eos=True, temperature=0, logprobs=1,
+                          idempotency_key="surface-attach")
+            owner = client.generate(**kwargs)
+            got = []
+            async for d in owner:
+                got.append(d)
+                if sum(len(x.token_ids) for x in got) >= 20:
+                    break
+            follower = [d async for d in client.generate(**kwargs)]  # attaches to the same run, from index 0
+            return follower
+    follower = asyncio.run(attach())
+    tokens = [t for d in follower for t in d.token_ids]
+    assert len(tokens) == 400 and [p.token.token_id for d in follower for p in d.logprobs] == tokens
+
+
+def test_a_job_keeps_its_sampling_and_format_and_refuses_logprobs_it_cannot_store(crash_server):
+    with Client(crash_server.address) as client:
+        job = client.submit_job(token_ids=[5, 6, 7], max_tokens=300, temperature=0, regex="(abc){40}", presence_penalty=0.5)
+        chunks = list(client.watch_job(job.job_id))
+        text = "".join(c.text for c in chunks)
+        assert chunks[-1].state == "succeeded" and text == "abc" * 40
+        with pytest.raises(InvalidRequest, match="logprobs"):
+            client.submit_job(token_ids=[5, 6, 7], max_tokens=8, logprobs=1)
