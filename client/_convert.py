@@ -48,7 +48,8 @@ class GenerateOptions(TypedDict, total=False):
     stop_token_ids, logit_bias ({token id: bias}), include_stop_str_in_output: sampling, as
     vLLM's SamplingParams; logprobs / prompt_logprobs: alternatives per token (0: the token's own
     only); json_schema (a dict or JSON text), json_object, regex, choice, grammar: the output's
-    format (at most one).
+    format (at most one); n: independent samples of the prompt (Delta.sample_index,
+    Completion.samples).
     max_tokens: left out, the server's default (the rest of the context, capped).
     """
 
@@ -84,6 +85,7 @@ class GenerateOptions(TypedDict, total=False):
     regex: str | None
     choice: Sequence[str] | None
     grammar: str | None
+    n: int
 
 
 def build_request(
@@ -121,6 +123,7 @@ def build_request(
     regex: str | None = None,
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
+    n: int = 1,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for one call. Raises ValueError on arguments no server would accept.
 
@@ -160,6 +163,7 @@ def build_request(
             stop_token_ids=_token_ids(stop_token_ids),
             logit_bias={operator.index(t): float(b) for t, b in (logit_bias or {}).items()},
             include_stop_str_in_output=include_stop_str_in_output,
+            n=n if n != 1 else 0,
         ),
     )
     for field, value in (
@@ -307,6 +311,7 @@ def delta_from_chunk(chunk: pb.GenerateChunk, received_at: float) -> Delta:
         timeline=timeline_from_proto(chunk.timeline) if chunk.HasField("timeline") else None,
         logprobs=logprobs_from_proto(chunk.logprobs),
         prompt_logprobs=logprobs_from_proto(chunk.prompt_logprobs),
+        sample_index=chunk.sample_index,
     )
 
 
@@ -321,6 +326,12 @@ def completion_from_response(response: pb.CompleteResponse) -> Completion:
         attempt=response.attempt,
         logprobs=logprobs_from_proto(response.logprobs),
         prompt_logprobs=logprobs_from_proto(response.prompt_logprobs),
+        samples=tuple(Completion(
+            request_id=response.request_id, text=s.text, token_ids=tuple(s.token_ids),
+            finish_reason=finish_reason_name(s.finish_reason),
+            usage=usage_from_proto(s.usage) if s.HasField("usage") else None,
+            timeline=timeline_from_proto(s.timeline) if s.HasField("timeline") else None,
+            attempt=s.timeline.attempts, logprobs=logprobs_from_proto(s.logprobs)) for s in response.samples),
     )
 
 

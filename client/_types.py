@@ -87,6 +87,7 @@ class Delta:
     timeline: ServerTimeline | None = None
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token in token_ids, when asked for
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # on the first delta, when asked for
+    sample_index: int = 0  # with n > 1: the sample this delta belongs to (index counts within it)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class Completion:
     attempt: int
     logprobs: tuple[PositionLogprobs, ...] = ()
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
+    # With n > 1: every sample as a Completion of its own, by sample index (this one's fields are
+    # sample 0's, its usage counts every sample's tokens).
+    samples: tuple["Completion", ...] = ()
 
 
 @dataclass(frozen=True)

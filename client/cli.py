@@ -29,6 +29,8 @@ examples:
   tokenline generate "What is the capital of France?"
   tokenline generate --raw --max-tokens 32 --temperature 0.8 "Once upon a time"
   echo "Summarize: ..." | tokenline generate --json -
+  tokenline generate --json-schema person.json --logprobs 5 "Describe a person as JSON"
+  tokenline generate --choice yes --choice no --presence-penalty 0.5 "Is the sky blue?"
 
 The answer streams to stdout; a summary goes to stderr, e.g.
   ttft 212 ms · itl 57.1 ms (mean) · total 1.94 s · 32 tokens (prompt 14) · stop · server ttft 180 ms (queued 3.2 ms)
@@ -57,9 +59,9 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-tokens",
         type=int,
-        default=128,
+        default=None,
         metavar="N",
-        help="most tokens to generate (default %(default)s)",
+        help="most tokens to generate (default: the server's, the rest of the context up to its cap)",
     )
     parser.add_argument(
         "--temperature",
@@ -77,6 +79,25 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="TEXT",
         help="stop when TEXT is generated (repeatable)",
     )
+    parser.add_argument("--min-p", type=float, help="drop tokens below this share of the most likely one's probability")
+    parser.add_argument("--repetition-penalty", type=float, help="above 1 discourages tokens already seen, in (0, 2]")
+    parser.add_argument("--presence-penalty", type=float, help="subtracted once from tokens already output, in [-2, 2]")
+    parser.add_argument("--frequency-penalty", type=float, help="subtracted per time a token was output, in [-2, 2]")
+    parser.add_argument("--min-tokens", type=int, default=0, metavar="N", help="no end of sequence before N tokens")
+    parser.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[], metavar="ID",
+                        help="stop when token ID is generated (repeatable)")
+    parser.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                        help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
+    parser.add_argument("-n", "--samples", dest="n", type=int, default=1, metavar="N",
+                        help="N independent samples of the prompt, printed one after another (default 1)")
+    parser.add_argument("--logprobs", type=int, metavar="K",
+                        help="print each token's log-probability and its K most likely alternatives (0..20)")
+    formats = parser.add_mutually_exclusive_group()
+    formats.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against the schema in FILE")
+    formats.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    formats.add_argument("--regex", help="the output matches this regular expression")
+    formats.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    formats.add_argument("--grammar", metavar="FILE", help="the output follows the EBNF grammar in FILE")
     parser.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -123,6 +144,7 @@ def run_generate(args: argparse.Namespace) -> int:
     deltas: list[Delta] = []
     stream: DeltaStream | None = None
     try:
+        features = request_features(args)
         with Client(args.target, api_key=args.api_key) as client:
             stream = client.generate(
                 None if args.chat else prompt,
@@ -137,18 +159,26 @@ def run_generate(args: argparse.Namespace) -> int:
                 ignore_eos=args.ignore_eos,
                 traffic_class=args.traffic_class,
                 deadline_s=args.timeout,
+                **features,
             )
             for delta in stream:
                 deltas.append(delta)
-                if not args.json:
-                    sys.stdout.write(delta.text)
-                    sys.stdout.flush()
+                if args.json or args.n > 1:  # samples interleave: printed whole, one after another, at the end
+                    continue
+                if args.logprobs is not None:
+                    for position in delta.logprobs:
+                        print(logprob_line(position), file=sys.stderr)
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
     except KeyboardInterrupt:
         if stream is not None:
             stream.cancel()
         _end_text_line(deltas, args)
         print("tokenline generate: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as error:  # a schema or grammar file that cannot be read
+        print(f"tokenline generate: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except (ValueError, InvalidRequest) as error:
         _end_text_line(deltas, args)
         print(f"tokenline generate: {error}", file=sys.stderr)
@@ -158,6 +188,10 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"tokenline generate: {error}{_hint(error, args.target)}", file=sys.stderr)
         return EXIT_FAILED
 
+    if args.n > 1 and not args.json:
+        for i in range(args.n):
+            print(f"--- sample {i}")
+            print("".join(d.text for d in deltas if d.sample_index == i))
     timing = stream_timing(stream.sent_at, deltas)
     if args.json:
         print(json.dumps(result_json(deltas, timing), indent=2, ensure_ascii=False))
@@ -165,6 +199,40 @@ def run_generate(args: argparse.Namespace) -> int:
         _end_text_line(deltas, args)
         print(summary_line(deltas, timing), file=sys.stderr)
     return EXIT_OK
+
+
+def request_features(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling, logprob and format options as generate() keyword arguments (files read here)."""
+    bias = {}
+    for item in args.logit_bias:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID=BIAS (e.g. 50256=-100), not {item!r}") from None
+    features: dict[str, Any] = dict(
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids,
+        logit_bias=bias, logprobs=args.logprobs, n=args.n)
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            features["json_schema"] = f.read()
+    elif args.grammar:
+        with open(args.grammar, encoding="utf-8") as f:
+            features["grammar"] = f.read()
+    elif args.json_object:
+        features["json_object"] = True
+    elif args.regex:
+        features["regex"] = args.regex
+    elif args.choice:
+        features["choice"] = args.choice
+    return features
+
+
+def logprob_line(position: Any) -> str:
+    """One token's log-probability and its alternatives, for stderr: '  'Paris' -0.021 | ' Lyon' -4.2 ...'."""
+    alternatives = " | ".join(f"{t.text!r} {t.logprob:.3f}" for t in position.top)
+    return f"  {position.token.text!r} {position.token.logprob:.3f}" + (f"   [{alternatives}]" if alternatives else "")
 
 
 def format_duration(seconds: float) -> str:
@@ -214,10 +282,16 @@ def result_json(deltas: Sequence[Delta], timing: StreamTiming) -> dict[str, Any]
     return {
         "request_id": final.request_id if final else "",
         "attempt": final.attempt if final else 0,
-        "text": "".join(d.text for d in deltas),
-        "token_ids": [t for d in deltas for t in d.token_ids],
+        "text": "".join(d.text for d in deltas if d.sample_index == 0),  # with n > 1, sample 0's: all in "samples"
+        "token_ids": [t for d in deltas if d.sample_index == 0 for t in d.token_ids],
         "finish_reason": final.finish_reason if final else None,
         "usage": dataclasses.asdict(final.usage) if final and final.usage else None,
+        "logprobs": [dataclasses.asdict(p) for d in deltas for p in d.logprobs] or None,
+        "samples": [{"sample_index": i, "text": "".join(d.text for d in deltas if d.sample_index == i),
+                     "token_ids": [t for d in deltas if d.sample_index == i for t in d.token_ids],
+                     "finish_reason": next((d.finish_reason for d in deltas if d.sample_index == i and d.finish_reason),
+                                           None)}
+                    for i in sorted({d.sample_index for d in deltas})] if any(d.sample_index for d in deltas) else None,
         "client": {
             "ttft_ms": millis(timing.ttft_s),
             "itl_mean_ms": millis(timing.itl_mean_s),

@@ -30,6 +30,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20
+MAX_SAMPLES = 16
 MAX_STOP_LEN = 256
 MAX_REQUEST_ID_LEN = 128
 MAX_CHAT_MESSAGES = 256
@@ -61,6 +62,7 @@ class ValidRequest:
     cls: TrafficClass
     request_id: str  # may be empty: the server generates one
     deadline_unix_ms: int
+    n: int = 1  # independent samples (SamplingParams.n)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class CheckedRequest:
     cls: TrafficClass
     request_id: str
     chat: tuple[dict[str, str], ...] | None  # the chat messages, when the prompt is a chat
+    n: int = 1
 
 
 def pick_model(name: str, models: dict[str, ServedModel], default: str) -> ServedModel:
@@ -111,7 +114,16 @@ def check(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model
     cls = _traffic_class(req.traffic_class)
     sampling = _sampling(req.sampling if req.HasField("sampling") else pb.SamplingParams(), limits, model)
     chat = _check_prompt_size(req, model, limits)
-    return CheckedRequest(req, model, sampling, cls, request_id, chat)
+    return CheckedRequest(req, model, sampling, cls, request_id, chat, _samples(req.sampling, sampling))
+
+
+def _samples(s: pb.SamplingParams, sampling: Sampling) -> int:
+    n = s.n or 1
+    if n > MAX_SAMPLES:
+        raise InvalidRequest(f"n must be in [1, {MAX_SAMPLES}] (samples of the prompt), got {n}")
+    if sampling.seed is not None and sampling.seed + n - 1 >= 2**63:
+        raise InvalidRequest("seed + n - 1 must be below 2**63 (sample i is seeded with seed + i)")
+    return n
 
 
 def tokenize(checked: CheckedRequest, limits: Limits) -> ValidRequest:
@@ -136,7 +148,7 @@ def tokenize(checked: CheckedRequest, limits: Limits) -> ValidRequest:
             f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the context of "
             f"{model.name} ({model.max_context} tokens); lower max_tokens to at most {max(room, 0)} or shorten the prompt"
         )
-    return ValidRequest(model, prompt_ids, sampling, checked.cls, checked.request_id, req.deadline_unix_ms)
+    return ValidRequest(model, prompt_ids, sampling, checked.cls, checked.request_id, req.deadline_unix_ms, checked.n)
 
 
 def _request_id(rid: str, field: str = "request_id") -> str:
@@ -381,9 +393,9 @@ def check_parsed(request: object, message: str) -> None:
         raise InvalidRequest(f"the request message could not be parsed as a tokenline.v1.{message}")
 
 
-def chunk_pb(state: RequestState, chunk: Chunk) -> pb.GenerateChunk:
-    msg = pb.GenerateChunk(request_id=state.request_id, attempt=chunk.attempt, index=chunk.index,
-                           token_ids=chunk.token_ids, text=chunk.text)
+def chunk_pb(state: RequestState, chunk: Chunk, *, request_id: str = "", sample_index: int = 0) -> pb.GenerateChunk:
+    msg = pb.GenerateChunk(request_id=request_id or state.request_id, attempt=chunk.attempt, index=chunk.index,
+                           token_ids=chunk.token_ids, text=chunk.text, sample_index=sample_index)
     if chunk.logprobs:
         msg.logprobs.extend(logprobs_pb(chunk.logprobs))
     if chunk.index == 0 and state.prompt_logprobs:
@@ -400,9 +412,10 @@ def _token_logprob(t: tuple[int, float, int, str]) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=t[0], logprob=t[1], rank=t[2], text=t[3])
 
 
-def final_chunk(state: RequestState) -> pb.GenerateChunk:
+def final_chunk(state: RequestState, *, request_id: str = "", sample_index: int = 0) -> pb.GenerateChunk:
     return pb.GenerateChunk(
-        request_id=state.request_id, attempt=state.attempt, index=len(state.token_ids),
+        request_id=request_id or state.request_id, attempt=state.attempt, index=len(state.token_ids),
+        sample_index=sample_index,
         finish_reason=finish_reason(state.finish_reason), usage=_usage(state),
         timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
     )
@@ -415,6 +428,25 @@ def complete_response(state: RequestState) -> pb.CompleteResponse:
         timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
         logprobs=logprobs_pb(state.logprobs or ()), prompt_logprobs=logprobs_pb(state.prompt_logprobs or ()),
     )
+
+
+def complete_samples(states: Sequence[RequestState], request_id: str) -> pb.CompleteResponse:
+    """n > 1: sample 0's fields, every sample in `samples`, usage over all of them."""
+    response = complete_response(states[0])
+    response.request_id = request_id
+    response.samples.extend(
+        pb.Sample(sample_index=i, token_ids=s.token_ids, text="".join(s.text), finish_reason=finish_reason(s.finish_reason),
+                  logprobs=logprobs_pb(s.logprobs or ()), usage=_usage(s),
+                  timeline=timeline_pb(s.timeline, attempts=s.attempt, preemptions=s.preemptions))
+        for i, s in enumerate(states))
+    response.usage.completion_tokens = sum(len(s.token_ids) for s in states)
+    response.usage.cached_prompt_tokens = sum(s.cached_tokens for s in states)
+    return response
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The id of a request's sample `index` >= 1 inside the server (sample 0 keeps the caller's id)."""
+    return f"{request_id}#sample-{index}"
 
 
 def _usage(state: RequestState) -> pb.Usage:

@@ -171,6 +171,8 @@ class JobRpcs:
             raise InvalidRequest("request.request_id must be empty for a job: the server chooses the job id")
         if gen.resume_from_index:
             raise InvalidRequest("request.resume_from_index must be 0 for a job: use WatchJob's from_index")
+        if gen.sampling.n > 1:
+            raise InvalidRequest("a job generates one sample (n must be 0 or 1): submit one job per sample")
         if gen.sampling.HasField("logprobs") or gen.sampling.HasField("prompt_logprobs"):
             raise InvalidRequest("a job stores tokens and text, not logprobs: ask for logprobs with Generate or Complete "
                                  "(with an idempotency key to make them safe to retry)")

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -61,6 +61,11 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
                     yield chunk
                 call.outcome = "replayed"
                 return
+            if call.samples:
+                async for chunk in self._sample_chunks(call):
+                    yield chunk
+                call.outcome = _outcome(call.state)
+                return
             state = call.state
             async for chunk in self.runtime.events(state, call.mailbox, request.resume_from_index):
                 yield convert.chunk_pb(state, chunk)
@@ -74,6 +79,13 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
             if call.replay is not None:
                 call.outcome = "replayed"
                 return call.replay.result
+            if call.samples:
+                for state, mailbox in call.samples:
+                    async for _ in self.runtime.events(state, mailbox):
+                        pass
+                    state.timeline.last_byte = time.monotonic()
+                call.outcome = _outcome(call.state)
+                return convert.complete_samples([s for s, _ in call.samples], call.state.request_id)
             state = call.state
             async for _ in self.runtime.events(state, call.mailbox):
                 pass
@@ -88,8 +100,9 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         except ServingError as err:
             await abort_with(context, err)
         # Another tenant's request is indistinguishable from no request at all.
-        key = RequestKey(tenant, request.request_id)
-        if not request.request_id or not self.runtime.cancel(key):
+        keys = [RequestKey(tenant, request.request_id)] + [  # and the samples of an n > 1 request
+            RequestKey(tenant, convert.sample_request_id(request.request_id, i)) for i in range(1, convert.MAX_SAMPLES)]
+        if not request.request_id or not any([self.runtime.cancel(key) for key in keys]):
             await abort_with(context, RequestNotFound(f"no request {request.request_id!r} is queued or running"))
         return pb.CancelResponse(cancelled=True)
 
@@ -152,16 +165,19 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
             outcome = type(err).__name__
             if call is None and self.on_refused is not None:
                 self.on_refused(request if request is not MALFORMED else pb.GenerateRequest(), err, tenant)
+            for state, mailbox in call.samples if call is not None else ():  # one sample failed: the rest stop too
+                self.runtime.leave(state, mailbox)
             await abort_with(context, err)
         except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: the caller left while a chunk was pending
             outcome = "disconnected"
-            if call is not None and call.state is not None:
-                self.runtime.leave(call.state, call.mailbox)
+            for state, mailbox in call.followed() if call is not None else ():
+                self.runtime.leave(state, mailbox)
             raise
         finally:
             self.inflight -= 1
             if call is not None and call.owner and self.on_done is not None:
-                self.on_done(call.state, outcome)
+                for state, _ in call.followed():
+                    self.on_done(state, outcome)
             elif call is not None and not call.owner and self.on_shared is not None:
                 self.on_shared(request, "replayed" if call.replay is not None else "attached", tenant)
 
@@ -173,6 +189,11 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         key = convert.idempotency_key(request)
         loop = asyncio.get_running_loop()
         valid = await loop.run_in_executor(self._request_work, convert.tokenize, checked, self.limits)
+        if valid.n > 1:
+            if key:
+                raise InvalidRequest("n > 1 cannot be combined with an idempotency key yet: send n requests with a key "
+                                     "each, or n > 1 without one")
+            return self._run_samples(request, context, received, tenant, valid)
         if not key:
             return self._run(request, context, received, tenant, valid, key)
         async with self.keys.decide(tenant, key, fingerprint(valid.model.name, valid.sampling, valid.prompt_ids), request) as found:
@@ -206,6 +227,57 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         return _Call(state=state, mailbox=mailbox, owner=True)
 
 
+    def _run_samples(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float,
+                     tenant: str, valid: convert.ValidRequest) -> _Call:
+        """n > 1: n runs of the one prompt, submitted together so that their prompts share the prefix
+        cache's blocks; sample i is seeded seed + i, as vLLM seeds its n children. All or none."""
+        request_id = valid.request_id or uuid.uuid4().hex
+        samples: list[tuple[RequestState, asyncio.Queue]] = []
+        try:
+            for i in range(valid.n):
+                seed = valid.sampling.seed
+                one = replace(valid, request_id=request_id if i == 0 else convert.sample_request_id(request_id, i),
+                              sampling=valid.sampling if seed is None else replace(valid.sampling, seed=seed + i))
+                run = self._run(request, context, received, tenant, one, "")
+                samples.append((run.state, run.mailbox))
+        except ServingError:
+            for state, mailbox in samples:
+                self.runtime.leave(state, mailbox)
+            raise
+        return _Call(state=samples[0][0], mailbox=samples[0][1], owner=True, samples=samples)
+
+    async def _sample_chunks(self, call: _Call) -> AsyncIterator[pb.GenerateChunk]:
+        """Every sample's chunks, as they come, each tagged with its sample index; each sample's last chunk
+        when it ends. A sample that fails fails the call (the others are then stopped by `_call`)."""
+        merged: asyncio.Queue = asyncio.Queue()
+        request_id = call.state.request_id
+
+        async def follow(i: int, state: RequestState, mailbox: asyncio.Queue) -> None:
+            try:
+                async for chunk in self.runtime.events(state, mailbox):
+                    merged.put_nowait(convert.chunk_pb(state, chunk, request_id=request_id, sample_index=i))
+                state.timeline.last_byte = time.monotonic()
+                merged.put_nowait(convert.final_chunk(state, request_id=request_id, sample_index=i))
+                merged.put_nowait(None)
+            except ServingError as err:
+                merged.put_nowait(err)
+
+        tasks = [asyncio.create_task(follow(i, s, m)) for i, (s, m) in enumerate(call.samples)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await merged.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, ServingError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
 @dataclass
 class _Call:
     """What a Generate/Complete call follows: a live run (its own or attached), or a stored result."""
@@ -215,6 +287,14 @@ class _Call:
     owner: bool = False
     replay: Replay | None = None
     outcome: str = "error"  # how it ended, for telemetry: set by the call once it has answered
+    # n > 1: every sample's run and mailbox, sample 0 (also `state`, `mailbox`) first.
+    samples: list[tuple[RequestState, asyncio.Queue]] = field(default_factory=list)
+
+    def followed(self) -> list[tuple[RequestState, asyncio.Queue]]:
+        """The runs this call follows: its samples, or its one run (none for a replay)."""
+        if self.samples:
+            return self.samples
+        return [(self.state, self.mailbox)] if self.state is not None else []
 
 
 MALFORMED = convert.MALFORMED  # what an RPC gets for bytes that did not parse (convert.parser)

@@ -390,10 +390,11 @@ def parse(*argv):
 def test_the_cli_defaults_to_a_greedy_chat_request():
     args = parse("What is the capital of France?")
 
+    # max_tokens None: the server's default (the rest of the context, capped), as vLLM's is.
     assert (args.chat, args.temperature, args.max_tokens, args.traffic_class) == (
         True,
         0.0,
-        128,
+        None,
         "interactive",
     )
 

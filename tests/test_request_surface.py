@@ -263,3 +263,76 @@ def test_tokenize_gives_the_ids_a_generate_request_sends_and_detokenize_inverts_
     assert "json_schema" in model.structured_output_formats
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         client.detokenize([model.vocab_size])
+
+
+def test_the_cli_asks_for_a_format_and_logprobs(served, tmp_path):
+    import subprocess
+    import sys
+
+    client, _ = served
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    done = subprocess.run([sys.executable, "-m", "tokenline.server.cli", "generate", "--target", client.target,
+                           "--raw", "--json", "--json-schema", str(schema), "--logprobs", "2", "--temperature", "1",
+                           "--seed", "2", "--max-tokens", "400", "fill in"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert valid_against_schema(result["text"]) and result["finish_reason"] == "stop"
+    assert [p["token"]["token_id"] for p in result["logprobs"]] == result["token_ids"]
+    bad = subprocess.run([sys.executable, "-m", "tokenline.server.cli", "generate", "--target", client.target,
+                          "--raw", "--regex", "[a-", "hi"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "regex is not valid" in bad.stderr
+
+
+def test_n_samples_are_vllms_n_samples_each_streamed_under_its_index(served, offline):
+    from vllm import SamplingParams
+
+    client, _ = served
+    prompt = [(11 * i) % 500 + 3 for i in range(140)]  # more than one 128-token block: samples share it
+    deltas = list(client.generate(token_ids=prompt, max_tokens=12, ignore_eos=True, temperature=1.0, seed=21, n=3,
+                                  logprobs=0))
+    by_sample = {i: [d for d in deltas if d.sample_index == i] for i in range(3)}
+    assert {d.sample_index for d in deltas} == {0, 1, 2}
+    for i, own in by_sample.items():
+        index = 0
+        for d in own:
+            assert d.index == index and len(d.logprobs) == len(d.token_ids)
+            index += len(d.token_ids)
+        assert index == 12 and own[-1].finish_reason == "length"  # each sample ends with its own last chunk
+        assert sum(1 for d in own if d.finish_reason) == 1
+    ours = [[t for d in by_sample[i] for t in d.token_ids] for i in range(3)]
+    ref = offline.generate({"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=21, n=3, logprobs=1),
+                           use_tqdm=False)[0]
+    refs = sorted(ref.outputs, key=lambda o: o.index)
+    assert len({tuple(s) for s in ours}) == 3  # three samples, not one thrice
+    for mine, theirs in zip(ours, refs):
+        assert_agrees(mine, theirs)
+    whole = client.complete(token_ids=prompt, max_tokens=12, ignore_eos=True, temperature=1.0, seed=21, n=3)
+    assert [list(s.token_ids) for s in whole.samples] == ours  # same seeds, same samples
+    assert whole.usage.completion_tokens == 36 and list(whole.token_ids) == ours[0]
+    # Their prompt was computed once: the later samples found its whole block in the prefix cache.
+    assert sum(s.usage.cached_prompt_tokens for s in whole.samples) >= 2 * 128
+
+
+def test_cancelling_an_n_request_stops_every_sample(served):
+    client, _ = served
+    stream = client.generate(token_ids=PROMPT, max_tokens=1800, ignore_eos=True, n=3, request_id="three-at-once")
+    first = next(iter(stream))
+    assert client.cancel("three-at-once") is True
+    rest = list(stream)
+    finals = [d for d in [first, *rest] if d.finish_reason]
+    assert sorted(d.sample_index for d in finals) == [0, 1, 2]
+    assert all(d.finish_reason == "cancelled" for d in finals)
+    assert sum(len(d.token_ids) for d in [first, *rest]) < 3 * 1800
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(n=17), "n must be in [1, 16]"),
+    (dict(n=2, idempotency_key="k"), "idempotency key"),
+])
+def test_n_beyond_what_is_served_is_refused(served, fields, message):
+    client, _ = served
+    with pytest.raises(InvalidRequest) as refused:
+        client.complete(token_ids=PROMPT, max_tokens=4, **fields)
+    assert message in refused.value.details

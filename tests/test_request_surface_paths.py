@@ -193,3 +193,27 @@ def test_a_job_keeps_its_sampling_and_format_and_refuses_logprobs_it_cannot_stor
         assert chunks[-1].state == "succeeded" and text == "abc" * 40
         with pytest.raises(InvalidRequest, match="logprobs"):
             client.submit_job(token_ids=[5, 6, 7], max_tokens=8, logprobs=1)
+        with pytest.raises(InvalidRequest, match="one sample"):
+            client.submit_job(token_ids=[5, 6, 7], max_tokens=8, n=2)
+
+
+def test_n_samples_each_continue_after_their_worker_is_sigkilled(crash_server):
+    async def run():
+        async with AsyncClient(crash_server.address) as client:
+            deltas = []
+            killed = False
+            async for d in client.generate(token_ids=[5, 6, 7], max_tokens=300, temperature=0.8, seed=3,
+                                           regex="(abc){40}", n=3):
+                deltas.append(d)
+                counts = [sum(len(x.token_ids) for x in deltas if x.sample_index == i) for i in range(3)]
+                if not killed and min(counts) >= 8:
+                    for pid in worker_pids(crash_server):
+                        os.kill(pid, signal.SIGKILL)
+                    killed = True
+            assert killed
+            return deltas
+    deltas = asyncio.run(run())
+    for i in range(3):
+        own = [d for d in deltas if d.sample_index == i]
+        assert "".join(d.text for d in own) == "abc" * 40
+        assert own[-1].timeline.attempts == 2 and own[-1].finish_reason == "stop"

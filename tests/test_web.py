@@ -7,6 +7,7 @@ The page and the Node client are built by `make web`; Chromium is Debian's, inst
 from __future__ import annotations
 
 import json
+import re
 import pathlib
 import shutil
 import struct
@@ -167,6 +168,9 @@ def test_the_page_streams_shows_the_figures_and_cancels_in_chromium(tiny_server,
         assert done[figure].endswith("ms"), (figure, done)
     assert all(v.endswith("ms") for v in done["split"].values()), done["split"]
     assert done["splitBars"] == 5 and done["chartInk"]
+    # Logprobs asked on the page: every chunk's tooltip has one line per token, a log-probability on each.
+    lines = [line for title in done["tokenTitles"] for line in title.splitlines()]
+    assert len(lines) == 24 and all(re.search(r" -?\d+\.\d{3} · ", line) for line in lines), done["tokenTitles"]
     assert shot.stat().st_size > 10_000
     # Cancel mid-stream: the stream stops early and the server's final chunk says cancelled.
     cancelled = seen["cancelled"]
@@ -192,6 +196,14 @@ def test_the_node_client_streams_with_its_generated_stub(tiny_server):
     bad = subprocess.run([NODE, str(script), "--target", tiny_server.address, "--temperature", "9", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    # A format and logprobs, as a Node service would ask for them.
+    shaped = subprocess.run([NODE, str(script), "--target", tiny_server.address, "--max-tokens", "200", "--temperature", "0",
+                             "--text", "--regex", "(ab){5}!", "--logprobs", "2", "--json", "x"],
+                            capture_output=True, text=True, timeout=120)
+    assert shaped.returncode == 0, shaped.stderr
+    figures = json.loads(shaped.stdout.strip().splitlines()[-1])
+    assert "".join(p["text"] for p in figures["logprobs"]) == "ababababab!"
+    assert figures["tokens"] == len(figures["logprobs"]) and all(len(p["top"]) == 2 for p in figures["logprobs"])
 
 
 def test_bench_web_measures_both_paths_side_by_side(keyed_server):

@@ -4,7 +4,9 @@
 //
 //   node build/node/stream.cjs --target 127.0.0.1:50051 --max-tokens 64 "Write a haiku about the sea."
 //   TOKENLINE_API_KEY=... node build/node/stream.cjs --json "Hello"   # one JSON line of figures at the end
+//   node build/node/stream.cjs --json-schema person.json --logprobs 3 "Describe a person as JSON"
 import { credentials, Metadata, status as Status, type ServiceError } from "@grpc/grpc-js";
+import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 import {
   FinishReason,
@@ -23,6 +25,8 @@ export interface StreamFigures {
   tokens: number;
   finish: string;
   server: Timeline | undefined;
+  /** With sampling.logprobs: each token's own log-probability and its alternatives, in order. */
+  logprobs: { tokenId: number; logprob: number; text: string; top: { tokenId: number; logprob: number; text: string }[] }[];
 }
 
 /** Streams one completion, calling `onText` with each piece; resolves with the measured figures. */
@@ -37,6 +41,7 @@ export function streamCompletion(client: TokenlineClient, request: GenerateReque
   const gaps: number[] = [];
   let finish = FinishReason.FINISH_REASON_UNSPECIFIED;
   let server: Timeline | undefined;
+  const logprobs: StreamFigures["logprobs"] = [];
   return new Promise((resolve, reject) => {
     const call = client.generate(request, metadata, { deadline: Date.now() + (options.deadlineS ?? 120) * 1000 });
     call.on("data", (chunk) => {
@@ -48,6 +53,11 @@ export function streamCompletion(client: TokenlineClient, request: GenerateReque
         tokens += chunk.tokenIds.length;
       }
       if (chunk.text) onText(chunk.text);
+      for (const p of chunk.logprobs) {
+        const own = p.token!;
+        logprobs.push({ tokenId: own.tokenId, logprob: own.logprob, text: own.text,
+                        top: p.top.map((t) => ({ tokenId: t.tokenId, logprob: t.logprob, text: t.text })) });
+      }
       if (chunk.finishReason !== FinishReason.FINISH_REASON_UNSPECIFIED) {
         finish = chunk.finishReason;
         server = chunk.timeline;
@@ -64,6 +74,7 @@ export function streamCompletion(client: TokenlineClient, request: GenerateReque
         tokens,
         finish: finishReasonToJSON(finish).toLowerCase(),
         server,
+        logprobs,
       });
     });
   });
@@ -84,12 +95,16 @@ async function main(): Promise<number> {
       text: { type: "boolean", default: false },
       "ignore-eos": { type: "boolean", default: false },
       json: { type: "boolean", default: false },
+      logprobs: { type: "string" },
+      "json-schema": { type: "string" },
+      regex: { type: "string" },
       help: { type: "boolean", default: false },
     },
   });
   if (values.help || !positionals.length) {
     console.log("usage: node build/node/stream.cjs [--target HOST:PORT] [--model NAME] [--max-tokens N] [--temperature T]\n"
-      + "                                 [--class interactive|bulk] [--text] [--ignore-eos] [--json] PROMPT\n"
+      + "                                 [--class interactive|bulk] [--text] [--ignore-eos] [--json]\n"
+      + "                                 [--logprobs K] [--json-schema FILE | --regex RE] PROMPT\n"
       + "  the API key, if the server wants one, comes from $TOKENLINE_API_KEY");
     return values.help ? 0 : 2;
   }
@@ -97,7 +112,12 @@ async function main(): Promise<number> {
   const request = GenerateRequest.fromPartial({
     model: values.model,
     ...(values.text ? { text: prompt } : { chat: { messages: [{ role: "user", content: prompt }] } }),
-    sampling: { maxTokens: Number(values["max-tokens"]), temperature: Number(values.temperature), ignoreEos: values["ignore-eos"] },
+    sampling: {
+      maxTokens: Number(values["max-tokens"]), temperature: Number(values.temperature), ignoreEos: values["ignore-eos"],
+      ...(values.logprobs !== undefined ? { logprobs: Number(values.logprobs) } : {}),
+      ...(values["json-schema"] ? { structuredOutput: { jsonSchema: readFileSync(values["json-schema"], "utf8") } }
+        : values.regex ? { structuredOutput: { regex: values.regex } } : {}),
+    },
     trafficClass: values.class === "bulk" ? TrafficClass.BULK : TrafficClass.INTERACTIVE,
   });
   const client = new TokenlineClient(values.target!, credentials.createInsecure());

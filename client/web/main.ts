@@ -7,6 +7,7 @@ import type { MessageInitShape } from "@bufbuild/protobuf";
 import {
   FinishReason,
   type GenerateRequestSchema,
+  type PositionLogprobs,
   type Timeline,
   Tokenline,
   TrafficClass,
@@ -19,7 +20,8 @@ const ui = {
   form: $<HTMLFormElement>("ask"), model: $<HTMLSelectElement>("model"), cls: $<HTMLSelectElement>("traffic-class"),
   maxTokens: $<HTMLInputElement>("max-tokens"), temperature: $<HTMLInputElement>("temperature"),
   deadline: $<HTMLInputElement>("deadline"), apiKey: $<HTMLInputElement>("api-key"), chat: $<HTMLInputElement>("chat"),
-  ignoreEos: $<HTMLInputElement>("ignore-eos"),
+  ignoreEos: $<HTMLInputElement>("ignore-eos"), logprobs: $<HTMLInputElement>("logprobs"),
+  jsonSchema: $<HTMLInputElement>("json-schema"),
   prompt: $<HTMLTextAreaElement>("prompt"), send: $<HTMLButtonElement>("send"), cancel: $<HTMLButtonElement>("cancel"),
   status: $("status"), connection: $("connection"), output: $("output"), chart: $<HTMLCanvasElement>("gaps"),
 };
@@ -86,6 +88,18 @@ async function loadModels(): Promise<void> {
   }
 }
 
+/** A chunk's text as one span whose tooltip lists each token's log-probability and its alternatives. */
+function showTokens(count: number, text: string, logprobs: readonly PositionLogprobs[]): void {
+  const span = document.createElement("span");
+  span.className = "token";
+  span.textContent = text;
+  span.title = logprobs.map((p) => `${JSON.stringify(p.token?.text ?? "")} ${p.token?.logprob.toFixed(3)} · `
+    + p.top.map((t) => `${JSON.stringify(t.text)} ${t.logprob.toFixed(2)}`).join(", ")).join("\n");
+  const own = logprobs.reduce((sum, p) => sum + (p.token?.logprob ?? 0), 0) / Math.max(count, 1);
+  span.style.opacity = String(0.45 + 0.55 * Math.exp(own));  // a likely token shows solid, an unlikely one faint
+  ui.output.append(span);
+}
+
 function request(id: string): MessageInitShape<typeof GenerateRequestSchema> {
   const text = ui.prompt.value;
   const init: MessageInitShape<typeof GenerateRequestSchema> = {
@@ -94,6 +108,8 @@ function request(id: string): MessageInitShape<typeof GenerateRequestSchema> {
     trafficClass: ui.cls.value === "bulk" ? TrafficClass.BULK : TrafficClass.INTERACTIVE,
     sampling: {
       maxTokens: Number(ui.maxTokens.value) || 64, temperature: Number(ui.temperature.value), ignoreEos: ui.ignoreEos.checked,
+      ...(ui.logprobs.checked ? { logprobs: 3 } : {}),
+      ...(ui.jsonSchema.value.trim() ? { structuredOutput: { format: { case: "jsonSchema", value: ui.jsonSchema.value } } } : {}),
     },
     prompt: ui.chat.checked
       ? { case: "chat", value: { messages: [{ role: "user", content: text }] } }
@@ -119,7 +135,8 @@ async function generate(): Promise<void> {
     });
     for await (const chunk of stream) {
       if (chunk.tokenIds.length) measure.onTokens(chunk.tokenIds.length);
-      if (chunk.text) ui.output.append(chunk.text);
+      if (chunk.logprobs.length) showTokens(chunk.tokenIds.length, chunk.text, chunk.logprobs);
+      else if (chunk.text) ui.output.append(chunk.text);
       if (chunk.finishReason !== FinishReason.FINISH_REASON_UNSPECIFIED) {
         finish = chunk.finishReason;
         showServer(chunk.timeline, finish);

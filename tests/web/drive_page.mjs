@@ -67,10 +67,14 @@ try {
   await page.fill("#max-tokens", values["max-tokens"]);
   await page.fill("#temperature", "0");
   if (!values["stop-at-eos"]) await page.check("#ignore-eos");
+  await page.check("#logprobs");
   await page.click("#send");
   await page.waitForSelector("body[data-state=done], body[data-state=error]");
   await page.waitForTimeout(100); // let the chart's animation frame run
   result.complete = await read();
+  // With logprobs, each chunk's text is a span whose tooltip gives its tokens' log-probabilities.
+  result.complete.tokenTitles = await page.$$eval("#output span.token", (ss) => ss.map((s) => s.title));
+  await page.uncheck("#logprobs");
   if (screenshot) await page.screenshot({ path: screenshot, fullPage: true });
 
   // 2. Cancel mid-stream: a long completion, cancelled once tokens are arriving.
