@@ -202,7 +202,8 @@ def test_the_node_client_streams_with_its_generated_stub(tiny_server):
                             capture_output=True, text=True, timeout=120)
     assert shaped.returncode == 0, shaped.stderr
     figures = json.loads(shaped.stdout.strip().splitlines()[-1])
-    assert "".join(p["text"] for p in figures["logprobs"]) == "ababababab!"
+    # The text of each token, the end-of-sequence token that closes the format included (as its own text).
+    assert "".join(p["text"] for p in figures["logprobs"]) == "ababababab!<|im_end|>"
     assert figures["tokens"] == len(figures["logprobs"]) and all(len(p["top"]) == 2 for p in figures["logprobs"])
 
 
