@@ -53,6 +53,27 @@ defaults (sized from the machine), vllm serve with its own (--vllm-same-settings
 the engine in-process both with one tokenline worker's settings and as the box's best (all cores).
 """
 
+FEATURES_EXAMPLES = """examples:
+  tokenline bench features --model tiny                    # a minute or two
+  tokenline bench features                                 # the default model: several minutes
+  tokenline bench features --model tiny --skip vllm        # tokenline alone
+
+Starts tokenline (its defaults) and vllm serve (its own) one after the other and drives each at saturation
+four times: plain requests, logprobs (top 5) on every token, n = 4 samples, a JSON schema. Prints each
+feature's output throughput as a ratio to the same server's plain requests, side by side.
+"""
+
+STRUCTURED_EXAMPLES = """examples:
+  tokenline bench structured                               # the default model, 200 requests: minutes
+  tokenline bench structured --model tiny --compile off --requests 60 --killed 10 --preempted 10
+
+Starts tokenline (slots for exactly --preempted sequences across its workers, none held for interactive)
+and sends JSON-schema requests, half greedy, half sampled: the plain share --concurrency at a time, then
+--killed at once whose workers it SIGKILLs mid-output, then --preempted bulk ones at once that a burst of
+interactive requests preempts mid-output. Every output must end complete and validate against its
+schema; the exit status is 3 when one does not.
+"""
+
 MIXED_EXAMPLES = """examples:
   tokenline bench mixed --model tiny                       # minutes
   tokenline bench mixed --itl-target-steps 3 --skip vllm    # the default model, tokenline only
@@ -156,6 +177,33 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "varies by ±5 %% from run to run (default %(default)s)")
     cmp.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     cmp.add_argument("--out", default=None, help="output folder (default bench-results/compare-<time>)")
+
+    feat = sub.add_parser("features", help="what logprobs, n and a JSON schema cost, tokenline and vllm serve side by side",
+                          epilog=FEATURES_EXAMPLES, formatter_class=_formatter)
+    feat.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
+    feat.add_argument("--compile", choices=("on", "off"), default="on", help="tokenline's --compile (default %(default)s)")
+    feat.add_argument("--workers", type=int, default=None, help="tokenline's workers (default: the machine's plan)")
+    feat.add_argument("--requests", type=int, default=64, help="requests sent at once per variant (default %(default)s)")
+    feat.add_argument("--input-len", type=int, default=256, help="prompt tokens (default %(default)s)")
+    feat.add_argument("--output-len", type=int, default=128, help="output tokens (default %(default)s)")
+    feat.add_argument("--skip", default="", help="leave out a server: tokenline or vllm")
+    feat.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    feat.add_argument("--out", default=None, help="output folder (default bench-results/features-<time>)")
+
+    st = sub.add_parser("structured", help="JSON-schema outputs through SIGKILLs and preemptions: all must validate",
+                        epilog=STRUCTURED_EXAMPLES, formatter_class=_formatter)
+    st.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
+    st.add_argument("--compile", choices=("on", "off"), default="on", help="tokenline's --compile (default %(default)s)")
+    st.add_argument("--workers", type=int, default=None, help="tokenline's workers (default: the machine's plan)")
+    st.add_argument("--requests", type=int, default=200, help="requests in all (default %(default)s)")
+    st.add_argument("--killed", type=int, default=20, help="of them, SIGKILLed mid-output (default %(default)s)")
+    st.add_argument("--preempted", type=int, default=20, help="of them, preempted mid-output (default %(default)s)")
+    st.add_argument("--concurrency", type=int, default=16, help="the plain requests at a time (default %(default)s)")
+    st.add_argument("--max-tokens", type=int, default=256, help="per request (default %(default)s)")
+    st.add_argument("--greedy-share", type=float, default=0.5,
+                    help="share of greedy requests; the rest sample at temperature 0.8 (default %(default)s)")
+    st.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    st.add_argument("--out", default=None, help="output folder (default bench-results/structured-<time>)")
 
     mix = sub.add_parser("mixed", help="interactive within capacity inside a bulk flood: targets kept, bulk kept",
                          epilog=MIXED_EXAMPLES, formatter_class=_formatter)

@@ -55,7 +55,8 @@ def dispatch(args: argparse.Namespace) -> int:
     from tokenline.bench.runner import LoadGeneratorBehind
     from tokenline.bench.servers import ServerStartError
 
-    command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "mixed": cmd_mixed, "simulate": cmd_simulate,
+    command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "features": cmd_features,
+               "structured": cmd_structured, "mixed": cmd_mixed, "simulate": cmd_simulate,
                "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz, "web": cmd_web,
                "ray-capacity": cmd_ray_capacity, "jobs": cmd_jobs}[args.bench_command]
     try:
@@ -254,6 +255,51 @@ def cmd_mixed(args: argparse.Namespace) -> int:
     run(mixed(spec, folder, log=lambda line: print(line, flush=True)))
     print(f"\nwrote {folder}/mixed.json, mixed.txt, <server>/steps.png and each run's files")
     return EXIT_OK
+
+
+def cmd_features(args: argparse.Namespace) -> int:
+    from tokenline.bench.cli import serve_defaults
+    from tokenline.bench.compare import CompareSpec
+    from tokenline.bench.features import features
+    from tokenline.bench.runner import run
+    from tokenline.bench.servers import EngineSettings
+
+    serve = serve_defaults()
+    settings = EngineSettings(model=args.model, kv_cache_mb=serve["kv_cache_mb"], max_seqs=serve["max_seqs"],
+                              interactive_slots=serve["interactive_slots"], max_model_len=serve["max_model_len"],
+                              block_size=serve["block_size"], prefill_budget=serve["prefill_budget"],
+                              workers=args.workers, compile=args.compile == "on")
+    spec = CompareSpec(settings=settings, requests=args.requests, input_len=args.input_len, output_len=args.output_len,
+                       seed=args.seed)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - {"tokenline", "vllm"}:
+        raise ValueError(f"--skip takes tokenline or vllm, not {', '.join(sorted(skip - {'tokenline', 'vllm'}))}")
+    servers = tuple(k for k in ("tokenline", "vllm") if k not in skip)
+    folder = out_dir(args, "features")
+    run(features(spec, folder, servers=servers, log=lambda line: print(line, flush=True)))
+    print(f"\nwrote {folder}/features.json, features.txt and each run's files")
+    return EXIT_OK
+
+
+def cmd_structured(args: argparse.Namespace) -> int:
+    from tokenline.bench.runner import run
+    from tokenline.bench.servers import EngineSettings
+    from tokenline.bench.structured import Plan, structured
+
+    if args.killed + args.preempted > args.requests:
+        raise ValueError("--killed plus --preempted must not exceed --requests")
+    settings = EngineSettings(model=args.model, workers=args.workers, interactive_slots=0, compile=args.compile == "on")
+    workers = settings.plan().workers
+    # Exactly --preempted slots across the workers, so that the bulk batch fills them and every interactive
+    # arrival must take one from it.
+    settings = EngineSettings(model=args.model, workers=workers, interactive_slots=0, compile=args.compile == "on",
+                              max_seqs=max(1, math.ceil(args.preempted / workers)))
+    plan = Plan(requests=args.requests, killed=args.killed, preempted=args.preempted, concurrency=args.concurrency,
+                max_tokens=args.max_tokens, seed=args.seed, greedy_share=args.greedy_share)
+    folder = out_dir(args, "structured")
+    summary = run(structured(settings, plan, folder, log=lambda line: print(line, flush=True)))
+    print(f"\nwrote {folder}/structured.json, structured.txt")
+    return EXIT_OK if summary["valid"] == summary["requests"] else 3
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

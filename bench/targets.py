@@ -116,6 +116,7 @@ class TokenlineTarget:
             request.prompt_text, token_ids=None if request.prompt_text is not None else request.prompt_ids,
             model=self.model, max_tokens=request.max_tokens, temperature=0.0, ignore_eos=request.ignore_eos,
             traffic_class=request.traffic_class, deadline_s=remaining, require_completion=request.require_completion,
+            logprobs=request.logprobs, n=request.n, json_schema=request.json_schema,
         )  # fmt: skip
         record.sent = stream.sent_at - t0
         times, counts = record.chunk_times, record.chunk_tokens
@@ -198,6 +199,12 @@ class OpenAITarget:
         }  # fmt: skip
         if self.send_priority:
             body["priority"] = CLASS_PRIORITY[request.traffic_class]
+        if request.logprobs is not None:
+            body["logprobs"] = request.logprobs
+        if request.n > 1:
+            body["n"] = request.n
+        if request.json_schema is not None:
+            body["structured_outputs"] = {"json": json.loads(request.json_schema)}
         return body
 
     async def send(self, request: PlannedRequest, record: RequestRecord, t0: float) -> None:

@@ -13,9 +13,11 @@ derived from (seed, stream, index) alone, so a plan is the same on every run.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from tokenline.bench.arrivals import ArrivalProcess
@@ -108,6 +110,11 @@ class StreamSpec:
     cancel_fraction: float = 0.0  # share of requests the client abandons part-way
     ignore_eos: bool = True
     prompts: str | None = None  # a prompt file; None: random tokens
+    # Request features, to measure what each costs: logprobs (alternatives per token), n samples per
+    # request, a JSON schema file the output must follow.
+    logprobs: int | None = None
+    n: int = 1
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if self.traffic_class not in CLASSES:
@@ -120,6 +127,10 @@ class StreamSpec:
             raise ValueError(f"stream {self.name}: cancel must be a fraction in [0, 1]")
         if self.deadline_ms is not None and not self.deadline_ms > 0:
             raise ValueError(f"stream {self.name}: deadline_ms must be positive")
+        if not 1 <= self.n <= 16:
+            raise ValueError(f"stream {self.name}: n must be in [1, 16]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"stream {self.name}: logprobs must be in [0, 20]")
 
     @property
     def open_loop(self) -> bool:
@@ -139,11 +150,13 @@ class StreamSpec:
             "output": str(self.output_len) if self.output_len else None,
             "deadline_ms": self.deadline_ms, "require_completion": self.require_completion, "slo": self.slo.as_dict(),
             "cancel_fraction": self.cancel_fraction, "ignore_eos": self.ignore_eos, "prompts": self.prompts,
+            "logprobs": self.logprobs, "n": self.n, "json_schema": self.json_schema,
         }  # fmt: skip
 
 
 _STREAM_KEYS = ("name", "class", "rate", "arrival", "burstiness", "concurrency", "input", "output", "deadline_ms",
-                "require_completion", "slo_ttft_ms", "slo_itl_ms", "slo_e2e_ms", "cancel", "ignore_eos", "prompts")
+                "require_completion", "slo_ttft_ms", "slo_itl_ms", "slo_e2e_ms", "cancel", "ignore_eos", "prompts",
+                "logprobs", "n", "json_schema")
 
 
 def parse_stream(text: str, *, default_name: str = "main") -> StreamSpec:
@@ -191,6 +204,9 @@ def stream_from_fields(fields: dict[str, Any], *, default_name: str = "main") ->
         cancel_fraction=number("cancel") or 0.0,
         ignore_eos=str(fields.get("ignore_eos", "true")).lower() not in ("0", "false", "no"),
         prompts=fields.get("prompts") or None,
+        logprobs=int(number("logprobs")) if number("logprobs") is not None else None,
+        n=int(number("n") or 1),
+        json_schema=fields.get("json_schema") or None,
     )
 
 
@@ -209,6 +225,9 @@ class PlannedRequest:
     deadline_s: float | None
     cancel_after: int | None  # abandon the stream after this many tokens (None: never)
     require_completion: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    json_schema: str | None = None  # the schema's JSON text
 
 
 class RequestFactory:
@@ -218,6 +237,12 @@ class RequestFactory:
                  *, send_text: bool = False, tokenizer: Any = None):
         self.stream, self.index, self.seed, self.source = stream, index, seed, source
         self.send_text, self.tokenizer = send_text, tokenizer
+        self.schema = None
+        if stream.json_schema:
+            try:
+                self.schema = json.dumps(json.loads(Path(stream.json_schema).read_text()))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"stream {stream.name}: json_schema={stream.json_schema}: {e}") from None
 
     def make(self, i: int, at: float | None) -> PlannedRequest:
         s = self.stream
@@ -238,6 +263,7 @@ class RequestFactory:
             prompt_ids=prompt.token_ids, prompt_text=text, max_tokens=max_tokens, ignore_eos=s.ignore_eos,
             deadline_s=s.deadline_ms / 1000 if s.deadline_ms else None, cancel_after=cancel_after,
             require_completion=s.require_completion and bool(s.deadline_ms),
+            logprobs=s.logprobs, n=s.n, json_schema=self.schema,
         )  # fmt: skip
 
 

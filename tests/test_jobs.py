@@ -145,6 +145,10 @@ def test_jobs_survive_a_sigkill_of_the_whole_server_and_a_watcher_resumes_withou
     first, second = server, None
     try:
         with Client(first.address) as client:
+            # A format and a penalty, taken over mid-output too (submitted first, so it runs from the start):
+            # the new owner's run continues the pattern where the stored tokens left it.
+            shaped = client.submit_job("survive shaped", max_tokens=400, temperature=1.0, regex="(abc){90}",
+                                       presence_penalty=0.5).job_id
             jobs = [client.submit_job(f"survive {i}", max_tokens=300, ignore_eos=True, temperature=1.0).job_id
                     for i in range(4)]
             seen = []
@@ -160,6 +164,8 @@ def test_jobs_survive_a_sigkill_of_the_whole_server_and_a_watcher_resumes_withou
             rest = watch_to_end(client, jobs[0], next_index)
             whole = {job: tokens_of(watch_to_end(client, job)) for job in jobs}
             attempts = [client.get_job(job).attempts for job in jobs]
+            shaped_text = "".join(c.text for c in watch_to_end(client, shaped))
+            shaped_attempts = client.get_job(shaped).attempts
     finally:
         if second is not None:
             second.stop()
@@ -168,3 +174,4 @@ def test_jobs_survive_a_sigkill_of_the_whole_server_and_a_watcher_resumes_withou
     assert tokens_of(seen) + tokens_of(rest) == whole[jobs[0]]  # every token once, the seen ones unchanged
     assert {job: ended(first, second).get(job) for job in jobs} == {job: 1 for job in jobs}  # each accepted job completed exactly once
     assert max(attempts) == 2  # at least one was taken over mid-way
+    assert shaped_text == "abc" * 90 and shaped_attempts == 2, (shaped_text, shaped_attempts)
