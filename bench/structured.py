@@ -6,8 +6,8 @@ with a schema drawn from a fixed set, half greedy and half sampled:
 1. the plain share, `concurrency` at a time;
 2. `killed` at once, whose workers are SIGKILLed once every one of them has streamed tokens: each
    continues as a new attempt from the tokens delivered, its grammar advanced over them;
-3. `preempted` bulk ones at once, and, once every one has streamed tokens, a burst of interactive
-   requests that take their slots: the bulk runs stopped mid-output continue afterwards.
+3. `preempted` bulk ones at once, and, once every one has streamed tokens, a burst of twice as many
+   interactive requests that take their slots: the bulk runs stopped mid-output continue afterwards.
 Each output must end with the model's stop (the value complete) and validate against its schema
 (jsonschema); the report counts what did, and how many outputs were actually interrupted.
 """
@@ -161,7 +161,7 @@ async def run(plan: Plan, address: str, server_pid: int, *, log=print) -> list[O
                     os.kill(pid, signal.SIGKILL)
             else:
                 people = [_follow(client, dict(messages=[{"role": "user", "content": f"Hello {i}"}], max_tokens=4),
-                                  Outcome("person", "", True), [0], 0, "interactive") for i in range(count)]
+                                  Outcome("person", "", True), [0], 0, "interactive") for i in range(2 * count)]
                 await asyncio.gather(*people)
             await asyncio.gather(*tasks)
     for outcome in plan.outcomes:

@@ -114,8 +114,9 @@ class TokenlineTarget:
         self._next = (self._next + 1) % len(self._clients)
         stream = client.generate(
             request.prompt_text, token_ids=None if request.prompt_text is not None else request.prompt_ids,
-            model=self.model, max_tokens=request.max_tokens, temperature=0.0, ignore_eos=request.ignore_eos,
-            traffic_class=request.traffic_class, deadline_s=remaining, require_completion=request.require_completion,
+            model=self.model, max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
+            ignore_eos=request.ignore_eos, traffic_class=request.traffic_class, deadline_s=remaining,
+            require_completion=request.require_completion,
             logprobs=request.logprobs, n=request.n, json_schema=request.json_schema,
         )  # fmt: skip
         record.sent = stream.sent_at - t0
@@ -194,11 +195,13 @@ class OpenAITarget:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": request.prompt_text if request.prompt_text is not None else list(request.prompt_ids),
-            "max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": request.ignore_eos,
+            "max_tokens": request.max_tokens, "temperature": request.temperature, "ignore_eos": request.ignore_eos,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
         }  # fmt: skip
         if self.send_priority:
             body["priority"] = CLASS_PRIORITY[request.traffic_class]
+        if request.seed is not None:
+            body["seed"] = request.seed
         if request.logprobs is not None:
             body["logprobs"] = request.logprobs
         if request.n > 1:

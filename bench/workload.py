@@ -115,6 +115,7 @@ class StreamSpec:
     logprobs: int | None = None
     n: int = 1
     json_schema: str | None = None
+    temperature: float = 0.0  # greedy unless set (n > 1 needs sampling: vLLM refuses greedy samples)
 
     def __post_init__(self) -> None:
         if self.traffic_class not in CLASSES:
@@ -150,13 +151,13 @@ class StreamSpec:
             "output": str(self.output_len) if self.output_len else None,
             "deadline_ms": self.deadline_ms, "require_completion": self.require_completion, "slo": self.slo.as_dict(),
             "cancel_fraction": self.cancel_fraction, "ignore_eos": self.ignore_eos, "prompts": self.prompts,
-            "logprobs": self.logprobs, "n": self.n, "json_schema": self.json_schema,
+            "logprobs": self.logprobs, "n": self.n, "json_schema": self.json_schema, "temperature": self.temperature,
         }  # fmt: skip
 
 
 _STREAM_KEYS = ("name", "class", "rate", "arrival", "burstiness", "concurrency", "input", "output", "deadline_ms",
                 "require_completion", "slo_ttft_ms", "slo_itl_ms", "slo_e2e_ms", "cancel", "ignore_eos", "prompts",
-                "logprobs", "n", "json_schema")
+                "logprobs", "n", "json_schema", "temperature")
 
 
 def parse_stream(text: str, *, default_name: str = "main") -> StreamSpec:
@@ -207,6 +208,7 @@ def stream_from_fields(fields: dict[str, Any], *, default_name: str = "main") ->
         logprobs=int(number("logprobs")) if number("logprobs") is not None else None,
         n=int(number("n") or 1),
         json_schema=fields.get("json_schema") or None,
+        temperature=number("temperature") or 0.0,
     )
 
 
@@ -228,6 +230,8 @@ class PlannedRequest:
     logprobs: int | None = None
     n: int = 1
     json_schema: str | None = None  # the schema's JSON text
+    temperature: float = 0.0
+    seed: int | None = None  # with temperature > 0: the request's own, from the plan's seed
 
 
 class RequestFactory:
@@ -263,7 +267,8 @@ class RequestFactory:
             prompt_ids=prompt.token_ids, prompt_text=text, max_tokens=max_tokens, ignore_eos=s.ignore_eos,
             deadline_s=s.deadline_ms / 1000 if s.deadline_ms else None, cancel_after=cancel_after,
             require_completion=s.require_completion and bool(s.deadline_ms),
-            logprobs=s.logprobs, n=s.n, json_schema=self.schema,
+            logprobs=s.logprobs, n=s.n, json_schema=self.schema, temperature=s.temperature,
+            seed=rng.randrange(1 << 30) if s.temperature else None,
         )  # fmt: skip
 
 

@@ -167,6 +167,10 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
 
         web = WebServer(config.web)
         add_to_server(servicer, web.gateway)  # the same servicer: same RPCs, auth, deadlines, statuses
+        from tokenline.server.openai_api import OpenAIDoor
+        from tokenline.server.web import WebContext
+
+        web.gateway.openai = OpenAIDoor(servicer, WebContext)  # and the OpenAI-compatible /v1 routes
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -193,6 +197,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
             return 1
         scheme = "https" if config.web.tls_cert else "http"
         print(f"tokenline: gRPC-Web and the page on {scheme}://{config.web.host}:{web_port}/", flush=True)
+        print(f"tokenline: OpenAI-compatible API on {scheme}://{config.web.host}:{web_port}/v1", flush=True)
     await server.start()
     print(f"tokenline: listening on {config.host}:{port} (default model {default_model}); loading workers…", flush=True)
     if telemetry.metrics_address is not None:

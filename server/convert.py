@@ -121,6 +121,8 @@ def _samples(s: pb.SamplingParams, sampling: Sampling) -> int:
     n = s.n or 1
     if n > MAX_SAMPLES:
         raise InvalidRequest(f"n must be in [1, {MAX_SAMPLES}] (samples of the prompt), got {n}")
+    if n > 1 and sampling.temperature == 0:
+        raise InvalidRequest(f"n = {n} samples need sampling (temperature > 0): greedy samples would all be the same")
     if sampling.seed is not None and sampling.seed + n - 1 >= 2**63:
         raise InvalidRequest("seed + n - 1 must be below 2**63 (sample i is seeded with seed + i)")
     return n

@@ -86,6 +86,7 @@ class WebGateway(grpcASGI):
         super().__init__(application=None, enable_cors=False)
         self.config = config
         self.files = files
+        self.openai = None  # the OpenAI-compatible /v1 routes (server/openai_api.py), once a servicer is given
 
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict) -> None:
         # Generated add-functions (grpcio >= 1.62) also call this; the generic handler they register suffices.
@@ -95,6 +96,8 @@ class WebGateway(grpcASGI):
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
+        if self.openai is not None and path.startswith("/v1/"):
+            return await self.openai(scope, receive, send)
         handler = self._get_rpc_handler(path)
         if method == "OPTIONS":
             await self._preflight(scope, send)

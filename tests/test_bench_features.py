@@ -24,7 +24,8 @@ def test_a_stream_names_the_features_its_requests_ask_for(tmp_path):
         parse_stream("name=x,concurrency=4,n=40")
     plain = parse_stream("name=x,concurrency=4")
     assert variant_stream(plain, "json", schema).ignore_eos is False  # a format ends itself
-    assert variant_stream(plain, "n4", schema).n == 4 and variant_stream(plain, "logprobs", schema).logprobs == 5
+    assert variant_stream(plain, "n4", schema).n == 4 and variant_stream(plain, "n4", schema).temperature == 1.0
+    assert variant_stream(plain, "logprobs", schema).logprobs == 5
 
 
 def test_an_openai_target_asks_vllm_serve_for_the_same_features():

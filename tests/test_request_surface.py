@@ -317,7 +317,8 @@ def test_n_samples_are_vllms_n_samples_each_streamed_under_its_index(served, off
 
 def test_cancelling_an_n_request_stops_every_sample(served):
     client, _ = served
-    stream = client.generate(token_ids=PROMPT, max_tokens=1800, ignore_eos=True, n=3, request_id="three-at-once")
+    stream = client.generate(token_ids=PROMPT, max_tokens=1800, ignore_eos=True, n=3, temperature=1.0,
+                             request_id="three-at-once")
     first = next(iter(stream))
     assert client.cancel("three-at-once") is True
     rest = list(stream)
@@ -328,8 +329,9 @@ def test_cancelling_an_n_request_stops_every_sample(served):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(n=17), "n must be in [1, 16]"),
-    (dict(n=2, idempotency_key="k"), "idempotency key"),
+    (dict(n=17, temperature=1.0), "n must be in [1, 16]"),
+    (dict(n=2, idempotency_key="k", temperature=1.0), "idempotency key"),
+    (dict(n=2, temperature=0), "need sampling (temperature > 0)"),
 ])
 def test_n_beyond_what_is_served_is_refused(served, fields, message):
     client, _ = served
