@@ -54,6 +54,7 @@ class VllmBackend:
         self.full_step_s = 0.0  # a step of a whole prefill budget, timed in the self-check
         self.engine, self.execution = _build_engine(config, worker_id)
         self.view = _SchedulerView(self.engine)
+        self.view.generators = _rewindable_generators_on_cpu(self.engine)
         import vllm
 
         self.step_plans, why = step_plans_enabled(vllm.__version__, os.environ.get("TOKENLINE_STEP_PLANS"))
@@ -546,6 +547,61 @@ def _engine_args(config: WorkerConfig, *, eager: bool) -> EngineArgs:
     )
 
 
+class _CpuRewind:
+    """What the model runner's rewind calls on a generator (get_offset, set_offset), done on a CPU one:
+    back to its state before the step sampled (saved when the step was scheduled), or, for a request
+    that joined in the step, to its seed."""
+
+    def __init__(self, generator: torch.Generator, saved: torch.Tensor | None):
+        self.generator, self.saved = generator, saved
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:
+        if self.saved is not None:
+            self.generator.set_state(self.saved)
+        else:
+            self.generator.manual_seed(self.generator.initial_seed())
+
+
+class _RewindableGenerators(dict):
+    """The model runner's per-request generators (batch index -> torch.Generator). Its `get` is used only
+    to rewind a generator after a partial prefill: it hands out a `_CpuRewind` instead."""
+
+    saved: dict[int, torch.Tensor] = {}
+
+    def save(self) -> None:
+        """Before a step: every seeded request's generator state."""
+        self.saved = {id(g): g.get_state() for g in self.values()} if self else {}
+
+    def get(self, key, default=None):  # noqa: ANN001, ANN201
+        generator = dict.get(self, key)
+        return default if generator is None else _CpuRewind(generator, self.saved.get(id(generator)))
+
+
+def _rewindable_generators_on_cpu(engine: LLMEngine) -> _RewindableGenerators | None:
+    """vLLM 0.32 crashes a CPU engine on a seeded request whose prompt takes several steps.
+
+    After a step that computed part of a prompt, the model runner discards the token sampled for it
+    and rewinds the request's generator by its Philox offset (`gen.set_offset(gen.get_offset() - 4)`,
+    gpu_model_runner._bookkeeping_sync): a CPU generator has no offset, and the step raises
+    "CPU Generator does not use offset", which ends the worker (and the retried request the next one).
+    Measured: a request with seed, temperature 1 and a prompt over the step's token budget crashed the
+    engine every time. Here the rewind restores the generator's state from before the step instead (saved
+    by `_SchedulerView` when the step is scheduled), so a seeded request draws the same samples however its
+    prompt is split into steps, as on a GPU."""
+    if torch.cuda.is_available():
+        return None
+    try:
+        batch = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.input_batch
+    except AttributeError:
+        log.warning("vLLM model runner internals not found: seeded requests with long prompts may fail")
+        return None
+    batch.generators = _RewindableGenerators(batch.generators)
+    return batch.generators
+
+
 def _model_context_len(model_path: str) -> int:
     """The model's own context length from config.json (max_model_len may not exceed it)."""
     from tokenline.engine import modelconfig
@@ -602,6 +658,7 @@ class _SchedulerView:
         # Structured-output requests (vLLM's id) whose grammar is compiling: (added at, the delivered
         # tokens to replay over it once compiled, for a continuation).
         self.grammars: dict[str, tuple[float, list[int]]] = {}
+        self.generators: _RewindableGenerators | None = None  # seeded requests' generators, saved each step
         self.kv_blocks_total = engine.vllm_config.cache_config.num_gpu_blocks - 1  # block 0 is never handed out
         try:
             self.scheduler = engine.engine_core.engine_core.scheduler
@@ -635,6 +692,8 @@ class _SchedulerView:
                 scheduler.max_num_scheduled_tokens = budget
             if self.grammars:  # after schedule, before the engine computes this step's grammar masks
                 self._replay_grammars(scheduler)
+            if self.generators is not None:  # before the step samples: what a rewind goes back to
+                self.generators.save()
             try:
                 self.scheduled = _summarise(scheduler, out)
                 self.scheduled.paused = len(paused)

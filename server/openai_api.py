@@ -102,6 +102,7 @@ class _Common(_Strict):
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
+    return_token_ids: bool = False  # vLLM's: each choice carries its token ids (tokenline's bench counts them)
 
 
 class ChatRequest(_Common):
@@ -247,8 +248,8 @@ def completion_logprobs(positions, offset: int) -> dict[str, Any]:  # noqa: ANN0
 class Answer:
     """One OpenAI response being built from GenerateChunks: a chat or a completion, streamed or whole."""
 
-    def __init__(self, chat: bool, model: str, want_logprobs: bool):
-        self.chat, self.model, self.want_logprobs = chat, model, want_logprobs
+    def __init__(self, chat: bool, model: str, want_logprobs: bool, want_token_ids: bool = False):
+        self.chat, self.model, self.want_logprobs, self.want_token_ids = chat, model, want_logprobs, want_token_ids
         self.created = int(time.time())
         self.id = ""
         self.started: set[int] = set()
@@ -283,6 +284,8 @@ class Answer:
             choice["logprobs"] = (chat_logprobs(chunk.logprobs) if self.chat else
                                   completion_logprobs(chunk.logprobs, self.text_offset.get(i, 0))) if chunk.logprobs else None
             self.text_offset[i] = self.text_offset.get(i, 0) + len(chunk.text)
+        if self.want_token_ids:
+            choice["token_ids"] = list(chunk.token_ids)
         choice["finish_reason"] = _FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
         event = self._head(chunk) | {"choices": [choice]}
         if chunk.finish_reason:
@@ -290,7 +293,7 @@ class Answer:
             self.usage[0] = chunk.usage.prompt_tokens
             self.usage[1] += chunk.usage.completion_tokens
             self.usage[2] = max(self.usage[2], chunk.usage.cached_prompt_tokens)
-        if not chunk.text and not chunk.finish_reason and not self.chat:
+        if not chunk.text and not chunk.token_ids and not chunk.finish_reason and not self.chat:
             return []
         return [event]
 
@@ -311,6 +314,8 @@ class Answer:
                 choice["text"] = s.text
             if self.want_logprobs:
                 choice["logprobs"] = chat_logprobs(s.logprobs) if self.chat else completion_logprobs(s.logprobs, 0)
+            if self.want_token_ids:
+                choice["token_ids"] = list(s.token_ids)
             choice["finish_reason"] = _FINISH.get(s.finish_reason, "stop")
             choices.append(choice)
         u = response.usage
@@ -394,7 +399,8 @@ class OpenAIDoor:
         metadata = [(k, v) for k, v in headers.items() if k in ("authorization", "x-api-key", "traceparent", "host")]
         client = scope.get("client") or ("", 0)
         context = self.context_factory(timeout, metadata, f"ipv4:{client[0]}:{client[1]}")
-        answer = Answer(chat, req.model or self.servicer.default_model, req.logprobs not in (None, False))
+        answer = Answer(chat, req.model or self.servicer.default_model, req.logprobs not in (None, False),
+                        req.return_token_ids)
         if req.stream:
             await self._stream(request, context, answer, req, receive, send)
         else:

@@ -148,3 +148,16 @@ def test_vllm_bench_serve_drives_the_http_door(tiny_server, tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["completed"] == 24 and result.get("failed", 0) == 0, result
     assert result["total_output_tokens"] == 24 * 16 and result["output_throughput"] > 0
+
+
+def test_tokenlines_own_bench_drives_the_http_door(tiny_server, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tokenline.server.cli", "bench", "run", "--target", tiny_server.web_url,
+                          "--tokenizer", "tiny", "--stream", "name=http,concurrency=4,input=32,output=12",
+                          "--num-requests", "12", "--warmup", "0", "--out", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["completed"] == 12 and result["total_output_tokens"] == 12 * 12, result

@@ -50,7 +50,7 @@ def offline(served):
     torch.cpu._init_amx()
     _, model = served
     llm = LLM(model=str(resolve_model("tiny")), enforce_eager=True, dtype=model.dtype, kv_cache_memory_bytes=64 << 20,
-              block_size=128, max_model_len=1024, logprobs_mode="processed_logprobs", enable_prefix_caching=False)
+              block_size=128, max_model_len=2048, max_num_batched_tokens=2048, logprobs_mode="processed_logprobs", enable_prefix_caching=False)
     yield llm
     del llm
 
@@ -338,3 +338,19 @@ def test_n_beyond_what_is_served_is_refused(served, fields, message):
     with pytest.raises(InvalidRequest) as refused:
         client.complete(token_ids=PROMPT, max_tokens=4, **fields)
     assert message in refused.value.details
+
+
+def test_a_seeded_request_whose_prompt_takes_several_steps_samples_as_if_it_took_one(served, offline):
+    """vLLM 0.32 on a CPU crashed the worker here (it rewinds a generator by an offset CPU generators lack);
+    the rewind is done from the generator's saved state, so the chunking of the prompt changes nothing."""
+    from vllm import SamplingParams
+
+    client, _ = served
+    prompt = [(13 * i) % 500 + 3 for i in range(1300)]  # over the worker's 512-token step budget: 3 steps
+    first = client.complete(token_ids=prompt, max_tokens=16, temperature=1.0, seed=9, ignore_eos=True)
+    again = client.complete(token_ids=prompt, max_tokens=16, temperature=1.0, seed=9, ignore_eos=True)  # cached prefix
+    assert first.timeline.attempts == 1 and list(first.token_ids) == list(again.token_ids)
+    assert again.usage.cached_prompt_tokens >= 1024  # the second ran its prompt in fewer steps
+    ref = offline.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, temperature=1.0, seed=9,
+                                                                        ignore_eos=True, logprobs=2), use_tqdm=False)[0]
+    assert_agrees(list(first.token_ids), ref.outputs[0])  # the offline engine computes the prompt in one step
