@@ -231,7 +231,9 @@ class PlannedRequest:
     n: int = 1
     json_schema: str | None = None  # the schema's JSON text
     temperature: float = 0.0
-    seed: int | None = None  # with temperature > 0: the request's own, from the plan's seed
+    # Not seeded: vllm serve (vLLM 0.32 on a CPU) crashes on a seeded request whose prompt is computed
+    # over several steps (tokenline's worker does not: engine/vllm_backend.py _rewindable_generators_on_cpu).
+    seed: int | None = None
 
 
 class RequestFactory:
@@ -268,7 +270,6 @@ class RequestFactory:
             deadline_s=s.deadline_ms / 1000 if s.deadline_ms else None, cancel_after=cancel_after,
             require_completion=s.require_completion and bool(s.deadline_ms),
             logprobs=s.logprobs, n=s.n, json_schema=self.schema, temperature=s.temperature,
-            seed=rng.randrange(1 << 30) if s.temperature else None,
         )  # fmt: skip
 
 

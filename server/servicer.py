@@ -117,22 +117,18 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
                                              for m in self.models.values()])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        try:
-            convert.check_parsed(request, "TokenizeRequest")
-            self._tenant(context)
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._request_work, convert.tokenize_prompt, request, self.models,
-                                              self.default_model, self.limits)
-        except ServingError as err:
-            await abort_with(context, err)
+        return await self._tokenizer_call(request, context, "TokenizeRequest", convert.tokenize_prompt, self.limits)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        return await self._tokenizer_call(request, context, "DetokenizeRequest", convert.detokenize_ids)
+
+    async def _tokenizer_call(self, request, context: grpc.aio.ServicerContext, message: str, work, *extra):  # noqa: ANN001
+        """A tokenizer RPC: checked and authenticated here, the tokenizer's work off the event loop."""
         try:
-            convert.check_parsed(request, "DetokenizeRequest")
+            convert.check_parsed(request, message)
             self._tenant(context)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._request_work, convert.detokenize_ids, request, self.models,
-                                              self.default_model)
+            return await loop.run_in_executor(self._request_work, work, request, self.models, self.default_model, *extra)
         except ServingError as err:
             await abort_with(context, err)
 
