@@ -197,6 +197,9 @@ class StepReport:
     # with a reason fit to show the caller; such an item produces no further output.
     rejected: dict[str, str] = field(default_factory=dict)
     paused: int = 0  # running bulk sequences held back this step by the step plan (their KV kept)
+    # Prompt tokens of admitted requests the engine cannot schedule yet: their structured-output format is
+    # still compiling. Still owed: a step that ran without them is no sign the worker has room for more.
+    stalled_prompt_tokens: int = 0
 
 
 # Messages from the frontend to a worker.

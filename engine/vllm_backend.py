@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from vllm import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
 
-from tokenline.engine.vllm_continuation import EARLIER_OUTPUT, EarlierOutputPenalties, replay_grammar  # noqa: E402
+from tokenline.engine.vllm_continuation import EARLIER_OUTPUT, EarlierOutputPenalties, compiled, replay_grammar  # noqa: E402
 
 # A structured-output format the engine has not compiled in this long is refused: a pathological
 # schema holds only its own request (vLLM compiles in a thread pool), and only this long.
@@ -230,6 +230,7 @@ class VllmBackend:
             aborted=self._aborted,
             rejected=self._rejected,
             paused=scheduled.paused if scheduled is not None else 0,
+            stalled_prompt_tokens=self.view.compiling_prompt_tokens(),
         )
         self._aborted, self._rejected = [], {}
         return report
@@ -707,13 +708,20 @@ class _SchedulerView:
     def _replay_grammars(self, scheduler: Any) -> None:
         for internal, (_, delivered) in list(self.grammars.items()):
             request = scheduler.requests.get(internal)
-            done = True if request is None else replay_grammar(request, delivered) if delivered else \
-                (request.structured_output_request is None or request.structured_output_request.grammar is not None)
+            # None while the format compiles: kept (it counts as stalled, and against the compile limit).
+            done = True if request is None else replay_grammar(request, delivered) if delivered else compiled(request)
             if done is None:
                 continue
             if done is False:
                 log.warning("the structured-output grammar refused the delivered tokens of %s", internal)
             del self.grammars[internal]
+
+    def compiling_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests waiting for their format to compile (vLLM skips them meanwhile)."""
+        if self.scheduler is None or not self.grammars:
+            return 0
+        requests = self.scheduler.requests
+        return sum(r.num_prompt_tokens for i in self.grammars if (r := requests.get(i)) is not None)
 
     def stuck_grammars(self, now: float, limit_s: float) -> list[tuple[str, str]]:
         """Requests whose format has compiled for longer than `limit_s`, with the reason to give."""

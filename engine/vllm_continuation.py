@@ -74,6 +74,12 @@ class EarlierOutputPenalties(LogitsProcessor):
         return logits
 
 
+def compiled(request: Any) -> bool | None:
+    """True once a request's format has compiled (or it has none), None while it compiles."""
+    so = getattr(request, "structured_output_request", None)
+    return True if so is None or so.grammar is not None else None
+
+
 def replay_grammar(request: Any, tokens: list[int]) -> bool | None:
     """Advance a waiting request's compiled grammar over `tokens`: True done, False the grammar refused
     them, None not compiled yet (call again next step)."""

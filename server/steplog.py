@@ -2,7 +2,8 @@
 
 Each line: unix (wall-clock seconds), worker, batch (sequences in the step), paused (bulk sequences the
 step plan held back), prefill (prompt tokens computed), step_ms, interactive (interactive requests
-running on that worker), plan_bulk (the plan's bulk decode limit; null: none). Lines are small and
+running on that worker), plan_bulk (the plan's bulk decode limit; null: none), stalled (prompt tokens
+waiting for their structured-output format to compile). Lines are small and
 line-buffered: a write per step costs microseconds, no fsync.
 """
 
@@ -26,7 +27,7 @@ class StepLog:
         self._file.write(json.dumps({
             "unix": round(time.time(), 6), "worker": report.worker_id, "batch": report.batch_size,
             "paused": report.paused, "prefill": report.prefill_tokens, "step_ms": round(report.step_s * 1000, 3),
-            "interactive": interactive, "plan_bulk": plan_bulk,
+            "interactive": interactive, "plan_bulk": plan_bulk, "stalled": report.stalled_prompt_tokens,
         }) + "\n")
 
     def close(self) -> None:

@@ -77,3 +77,30 @@ def test_a_worker_that_steps_on_before_its_report_is_read_gets_the_next_steps_pr
     assert _prompts_admitted_on_a_report(runs_ahead=True) == (2, 2)
     # A worker that waits for its answer would take them into the next step: no room left there.
     assert _prompts_admitted_on_a_report(runs_ahead=False) == (2, 0)
+
+
+def test_prompts_waiting_for_their_format_to_compile_are_still_owed_so_a_compiling_worker_takes_no_more():
+    """A worker whose admitted prompts wait for their structured-output format to compile runs empty
+    steps meanwhile. Each empty report once read as 'its prompts are in, room for a step's more': it took
+    two prompts a report, a hundred reports a second, until it held nearly all of a burst (55 of 64, the
+    other worker 9, and every step twice as long). Its stalled prompts count against its step budget."""
+    from tokenline.engine.scheduler.core import Scheduler
+    from tokenline.engine.scheduler.records import Dispatch, Entry
+    from tokenline.engine.types import StepReport, TrafficClass
+
+    def admitted_on_empty_reports(stalled: int) -> int:
+        now = ClassConfig(admission_window_s=0.0)
+        s = Scheduler(SchedulerConfig(interactive=now, bulk=now, bulk_floor=0.0), lambda: 0.0)
+        s.add_worker(worker_spec(0, max_seqs=64, continuous=True, prefill_token_budget=512, model="sim"))
+        for i in range(40):
+            s.submit(Entry(key=f"j{i}", model="sim", tenant="t", cls=TrafficClass.INTERACTIVE, prompt_tokens=256,
+                           max_tokens=64, arrival=0.0))
+        total = 0
+        for seq in range(1, 6):  # five empty steps: the format is still compiling
+            report = StepReport(worker_id=0, applied_seq=seq, step_s=0.0002, batch_size=0, prefill_tokens=0,
+                                kv_blocks_free=1000, running=0, waiting=2, stalled_prompt_tokens=stalled)
+            total += sum(len(d.admissions) for d in s.on_step(report).actions if isinstance(d, Dispatch))
+        return total
+
+    assert admitted_on_empty_reports(stalled=512) == 0  # the first two prompts fill its budget until they run
+    assert admitted_on_empty_reports(stalled=0) >= 5  # unreported, it takes more on every empty report

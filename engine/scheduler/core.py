@@ -230,6 +230,7 @@ class Scheduler(AdmissionControl):
         w.under_way_step_s = w.plan.predicted_step_s
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
+        w.stalled_prefill = report.stalled_prompt_tokens
         w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
 
     def on_timer(self) -> list[Action]:
@@ -482,6 +483,7 @@ class Scheduler(AdmissionControl):
         interactive = sum(n for _, n in w.pending_prefill.values()) if w.cadence.knows_sequence_cost else pending
         if at_boundary and w.spec.runs_ahead:
             pending, interactive = max(pending - budget, 0), max(interactive - budget, 0)
+        pending, interactive = pending + w.stalled_prefill, interactive + w.stalled_prefill
         return StepBudget(
             slots=w.slots_free(),
             blocks=free_blocks,

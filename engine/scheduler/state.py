@@ -23,6 +23,9 @@ class WorkerView:
     applied_seq: int = 0  # last admission batch the worker applied
     # seq -> (prompt tokens not yet applied, of which interactive requests')
     pending_prefill: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Prompt tokens applied but not schedulable yet (their structured-output format compiles), as last reported:
+    # owed like pending ones, or a worker busy compiling looks idle and takes every waiting request.
+    stalled_prefill: int = 0
     last_report_at: float = 0.0  # when its last step ended (the next one began)
     plan: StepPlan = field(default_factory=StepPlan)  # the step plan last sent to it
     # Its step period as its streams see it (report to report while busy: the engine step plus the
