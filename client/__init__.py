@@ -15,7 +15,8 @@ from ._convert import GenerateOptions
 from ._client import Client, DeltaStream
 from ._jobs import Job, JobChunk
 from ._timing import StreamTiming, itl_gaps, stream_timing
-from ._types import Completion, Delta, ModelInfo, PositionLogprobs, ServerTimeline, TokenLogprob, Usage
+from ._types import (Completion, Delta, ModelInfo, PositionLogprobs, ServerTimeline, TokenLogprob, ToolCall, ToolCallDelta,
+                     Usage)
 from .errors import (
     AlreadyExists,
     Cancelled,
@@ -53,6 +54,8 @@ __all__ = [
     "ModelInfo",
     "PositionLogprobs",
     "TokenLogprob",
+    "ToolCall",
+    "ToolCallDelta",
     "NotFound",
     "Overloaded",
     "PermissionDenied",

@@ -6,6 +6,7 @@ No I/O here: the clients call these around each RPC, and tests call them directl
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from typing import TypedDict
 
@@ -15,7 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from tokenline.v1 import tokenline_pb2 as pb
 
-from ._types import Completion, Delta, ModelInfo, PositionLogprobs, ServerTimeline, TokenLogprob, Usage
+from ._types import (Completion, Delta, ModelInfo, PositionLogprobs, ServerTimeline, TokenLogprob, ToolCall, ToolCallDelta,
+                     Usage)
 
 # A chat message as a caller writes it: {"role": ..., "content": ...} or (role, content).
 Message = Mapping[str, str] | tuple[str, str]
@@ -28,6 +30,7 @@ _FINISH_REASONS = {
     pb.STOP_STRING: "stop_string",
     pb.CANCELLED: "cancelled",
     pb.DEADLINE: "deadline",
+    pb.TOOL_CALLS: "tool_calls",
 }
 
 _OPTIONAL_STAMPS = ("first_scheduled_ms", "first_token_ms", "finished_ms", "last_byte_ms")
@@ -50,6 +53,12 @@ class GenerateOptions(TypedDict, total=False):
     only); json_schema (a dict or JSON text), json_object, regex, choice, grammar: the output's
     format (at most one); n: independent samples of the prompt (Delta.sample_index,
     Completion.samples).
+    tools (with messages): functions the model may call, each {"name", "description", "parameters"}
+    (a JSON schema) or OpenAI's {"type": "function", "function": {...}}; tool_choice: "none", "auto",
+    "required" or {"name": <function>} (required and a named function are enforced on any model);
+    parallel_tool_calls False: at most one call; chat_template_kwargs: extra chat-template variables.
+    A message may carry "tool_calls" (assistant: as Completion.tool_calls gave them) or
+    "tool_call_id" (role "tool": a call's result).
     max_tokens: left out, the server's default (the rest of the context, capped).
     """
 
@@ -86,6 +95,10 @@ class GenerateOptions(TypedDict, total=False):
     choice: Sequence[str] | None
     grammar: str | None
     n: int
+    tools: Sequence[Mapping] | None
+    tool_choice: str | Mapping | None
+    parallel_tool_calls: bool
+    chat_template_kwargs: Mapping | None
 
 
 def build_request(
@@ -124,6 +137,10 @@ def build_request(
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
     n: int = 1,
+    tools: Sequence[Mapping] | None = None,
+    tool_choice: str | Mapping | None = None,
+    parallel_tool_calls: bool = True,
+    chat_template_kwargs: Mapping | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for one call. Raises ValueError on arguments no server would accept.
 
@@ -191,9 +208,40 @@ def build_request(
         if not messages:
             raise ValueError("messages must hold at least one message")
         request.chat.CopyFrom(pb.ChatMessages(messages=[chat_message(m) for m in messages]))
+        _chat_tools(request.chat, tools, tool_choice, parallel_tool_calls, chat_template_kwargs)
     else:
         request.token_ids.CopyFrom(pb.TokenIds(ids=_token_ids(token_ids)))
+    if request.WhichOneof("prompt") != "chat" and (tools or tool_choice or chat_template_kwargs):
+        raise ValueError("tools, tool_choice and chat_template_kwargs go with messages (a chat)")
     return request
+
+
+_TOOL_CHOICES = {"none": pb.ToolChoice.NONE, "auto": pb.ToolChoice.AUTO, "required": pb.ToolChoice.REQUIRED}
+
+
+def _chat_tools(chat: pb.ChatMessages, tools: Sequence[Mapping] | None, tool_choice: str | Mapping | None,
+                parallel: bool, template_kwargs: Mapping | None) -> None:
+    for tool in tools or ():
+        f = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+        if f is None or "name" not in f:
+            raise ValueError(f"a tool is {{'name', 'description', 'parameters'}} or OpenAI's function tool, not {tool!r}")
+        params = f.get("parameters")
+        chat.tools.append(pb.Tool(name=f["name"], description=f.get("description", ""),
+                                  parameters_json="" if params is None else
+                                  params if isinstance(params, str) else json.dumps(params)))
+    if isinstance(tool_choice, str):
+        if tool_choice not in _TOOL_CHOICES:
+            raise ValueError(f"tool_choice is 'none', 'auto', 'required' or {{'name': <function>}}, not {tool_choice!r}")
+        chat.tool_choice.mode = _TOOL_CHOICES[tool_choice]
+    elif tool_choice is not None:
+        name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
+        if not name:
+            raise ValueError(f"tool_choice names a function as {{'name': <function>}}, not {tool_choice!r}")
+        chat.tool_choice.CopyFrom(pb.ToolChoice(mode=pb.ToolChoice.FUNCTION, function_name=name))
+    if not parallel:
+        chat.tool_choice.single_call = True
+    if template_kwargs:
+        chat.chat_template_kwargs_json = json.dumps(dict(template_kwargs))
 
 
 def tokenize_request(prompt: str | None, messages: Sequence[Message] | None, model: str = "") -> pb.TokenizeRequest:
@@ -248,7 +296,12 @@ def chat_message(message: Message) -> pb.ChatMessage:
     """A ChatMessage from a {"role", "content"} mapping or a (role, content) pair."""
     if isinstance(message, Mapping):
         try:
-            return pb.ChatMessage(role=message["role"], content=message["content"])
+            calls = [pb.ToolCall(id=c["id"], name=c.get("name") or c["function"]["name"],
+                                 arguments=c.get("arguments", (c.get("function") or {}).get("arguments", "")))
+                     for c in message.get("tool_calls") or ()]
+            return pb.ChatMessage(role=message["role"], content=message.get("content") or "" if calls else
+                                  message["content"], tool_calls=calls, tool_call_id=message.get("tool_call_id", ""),
+                                  name=message.get("name", ""))
         except KeyError as missing:
             raise ValueError(
                 f"a chat message needs 'role' and 'content'; {missing} is missing"
@@ -312,6 +365,8 @@ def delta_from_chunk(chunk: pb.GenerateChunk, received_at: float) -> Delta:
         logprobs=logprobs_from_proto(chunk.logprobs),
         prompt_logprobs=logprobs_from_proto(chunk.prompt_logprobs),
         sample_index=chunk.sample_index,
+        tool_calls=tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in chunk.tool_calls),
+        content=chunk.content,
     )
 
 
@@ -331,8 +386,15 @@ def completion_from_response(response: pb.CompleteResponse) -> Completion:
             finish_reason=finish_reason_name(s.finish_reason),
             usage=usage_from_proto(s.usage) if s.HasField("usage") else None,
             timeline=timeline_from_proto(s.timeline) if s.HasField("timeline") else None,
-            attempt=s.timeline.attempts, logprobs=logprobs_from_proto(s.logprobs)) for s in response.samples),
+            attempt=s.timeline.attempts, logprobs=logprobs_from_proto(s.logprobs),
+            tool_calls=_calls(s.tool_calls), content=s.content) for s in response.samples),
+        tool_calls=_calls(response.tool_calls),
+        content=response.content,
     )
+
+
+def _calls(calls) -> tuple[ToolCall, ...]:  # noqa: ANN001
+    return tuple(ToolCall(c.id, c.name, c.arguments) for c in calls)
 
 
 def model_from_proto(model: pb.ModelInfo) -> ModelInfo:

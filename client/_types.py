@@ -88,6 +88,29 @@ class Delta:
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token in token_ids, when asked for
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # on the first delta, when asked for
     sample_index: int = 0  # with n > 1: the sample this delta belongs to (index counts within it)
+    # With tools: pieces of the calls the model makes (a call's first piece has its id and name) and the part
+    # of `text` that is message content, not a call.
+    tool_calls: tuple["ToolCallDelta", ...] = ()
+    content: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool the model made: `arguments` is JSON text (parse it with json.loads)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a streamed tool call: `index` says which call; id and name come on its first piece."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
@@ -106,6 +129,10 @@ class Completion:
     # With n > 1: every sample as a Completion of its own, by sample index (this one's fields are
     # sample 0's, its usage counts every sample's tokens).
     samples: tuple["Completion", ...] = ()
+    # With tools: the calls the model made (finish_reason "tool_calls" when it stopped after them), and the
+    # part of `text` that is message content.
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str = ""
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class ServeConfig:
     # step, if more) is declared lost and killed; 0 turns the watchdog off.
     step_watchdog_s: float = 5.0
     step_log: str | None = None  # a JSON-lines file with one line per worker step (server/steplog.py)
+    tool_call_parser: str | None = None  # vLLM's tool-call parser for tool_choice AUTO (server/tools.py)
     web: "WebConfig | None" = None  # gRPC-Web and the browser page on a second port (server/web.py); None: off
     jobs: JobConfig | None = None  # durable jobs (server/jobrunner.py); None: the job RPCs answer UNIMPLEMENTED
     ray_address: str | None = None  # workers as Ray actors on this cluster (engine/ray_workers.py); None: local processes
@@ -102,6 +103,18 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         version = wc.model_version or model_version(path)
         served[wc.model_name] = load_served_model(wc.model_name, path, version, wc.max_model_len)
     default_model = config.models[0][0].model_name
+    if config.tool_call_parser:  # vLLM's parsers: seconds to import, off the loop, before serving
+        from tokenline.server.tools import VllmToolParsers
+
+        loop = asyncio.get_running_loop()
+        for model in served.values():
+            try:
+                model.tool_parsers = await loop.run_in_executor(None, VllmToolParsers, config.tool_call_parser,
+                                                                model.tokenizer)
+            except ValueError as err:
+                print(f"tokenline: {err}", file=sys.stderr, flush=True)
+                return 2
+            model.tool_call_parser = config.tool_call_parser
 
     try:
         auth = Authenticator(config.api_keys_file, client_certs=bool(config.tls_client_ca))

@@ -23,12 +23,23 @@ class ServedModel:
     tokenizer: Any  # transformers tokenizer
     max_token_chars: int = 64  # no token stands for more characters than this (see `longest_token_chars`)
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end generation (tokenizer and generation config)
+    # vLLM's tool-call parser for this model's format (serve --tool-call-parser), which tool_choice AUTO needs,
+    # and a factory of its per-answer parsers (`tools.VllmToolParsers`), made when the server starts.
+    tool_call_parser: str | None = None
+    tool_parsers: Any = None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    kwargs: dict[str, Any] | None = None) -> list[int]:
+        from tokenline.server.errors import InvalidRequest
+
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                     **(kwargs or {}))
+        except Exception as e:  # noqa: BLE001  the template's own refusal (jinja raise_exception, a missing field)
+            raise InvalidRequest(f"the chat template of {self.name} refused these messages: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

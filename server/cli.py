@@ -119,6 +119,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens of a request that sets none: the rest of the context after its prompt, at most "
                         f"this (default {Limits.default_max_tokens}, or --max-tokens-limit if lower)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="vLLM's tool-call parser for the model's format (as vllm serve's flag: hermes, llama3_json, "
+                        "pythonic, mistral, ...): lets a chat with tools use tool_choice AUTO. Without it, tools work "
+                        "with tool_choice REQUIRED or a named function (any model); AUTO is refused")
     p.add_argument("--step-watchdog-s", type=float, default=5.0,
                    help="a worker with work in flight that reports no step for this long (or 10x its longest recent "
                         "step, if more) is declared lost and killed, and its requests continue elsewhere; 0: off "
@@ -211,7 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
                              idempotency_ttl_s=args.idempotency_ttl_s, idempotency_lease_s=args.idempotency_lease_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
-                             step_log=args.step_log, web=_web_config(args), jobs=jobs, ray_address=args.ray_address,
+                             step_log=args.step_log, tool_call_parser=args.tool_call_parser, web=_web_config(args), jobs=jobs, ray_address=args.ray_address,
                              autoscale=_autoscale_config(args, plan.workers), worker_cpus=plan.cpu_sets,
                              telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
                                                        otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))

@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tokenline.engine.types import STRUCTURED_FORMATS, FinishReason, PositionLogprobs, Sampling, TrafficClass
+from tokenline.server import tools
 from tokenline.server.catalog import ServedModel
+from tokenline.server.tools import ToolSpec
 from tokenline.server.errors import InvalidRequest, ModelNotFound, RunLost
 from tokenline.server.timeline import Timeline
 from tokenline.v1 import tokenline_pb2 as pb
@@ -34,7 +36,7 @@ MAX_SAMPLES = 16
 MAX_STOP_LEN = 256
 MAX_REQUEST_ID_LEN = 128
 MAX_CHAT_MESSAGES = 256
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 _PRINTABLE = set(string.printable) - set("\t\n\r\x0b\x0c")
 
 
@@ -66,6 +68,15 @@ class ValidRequest:
 
 
 @dataclass(frozen=True)
+class ChatInput:
+    """What the chat template is given: messages, tools (None: none) and the caller's extra variables."""
+
+    messages: tuple[dict, ...]
+    tools: tuple[dict, ...] | None = None
+    kwargs: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True)
 class CheckedRequest:
     """A request whose every field is in range and whose prompt is small enough to tokenize."""
 
@@ -74,8 +85,9 @@ class CheckedRequest:
     sampling: Sampling
     cls: TrafficClass
     request_id: str
-    chat: tuple[dict[str, str], ...] | None  # the chat messages, when the prompt is a chat
+    chat: ChatInput | None  # the chat, when the prompt is a chat
     n: int = 1
+    tools: ToolSpec | None = None  # the chat's tools and tool choice
 
 
 def pick_model(name: str, models: dict[str, ServedModel], default: str) -> ServedModel:
@@ -113,8 +125,22 @@ def check(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model
     request_id = _request_id(req.request_id)
     cls = _traffic_class(req.traffic_class)
     sampling = _sampling(req.sampling if req.HasField("sampling") else pb.SamplingParams(), limits, model)
+    spec = tool_spec(req, model)
+    schema = tools.constraint(spec)
+    if schema is not None:  # REQUIRED or a named FUNCTION: the calls are a structured output
+        if sampling.structured[0]:
+            raise InvalidRequest(f"tool_choice {spec.mode.upper()} constrains the output to tool calls itself; "
+                                 "drop structured_output (or use tool_choice AUTO or NONE)")
+        sampling = replace(sampling, structured=("json_schema", schema))
     chat = _check_prompt_size(req, model, limits)
-    return CheckedRequest(req, model, sampling, cls, request_id, chat, _samples(req.sampling, sampling))
+    return CheckedRequest(req, model, sampling, cls, request_id, chat, _samples(req.sampling, sampling), spec)
+
+
+def tool_spec(req: pb.GenerateRequest, model: ServedModel) -> tools.ToolSpec | None:
+    """The request's tools and tool choice, checked (None without tools)."""
+    if req.WhichOneof("prompt") != "chat":
+        return None
+    return tools.spec_of(req.chat, model.tool_call_parser)
 
 
 def _samples(s: pb.SamplingParams, sampling: Sampling) -> int:
@@ -273,7 +299,7 @@ def max_prompt_tokens(model: ServedModel, limits: Limits) -> int:
     return min(limits.max_prompt_tokens, model.max_context - 1)
 
 
-def _check_prompt_size(req: pb.GenerateRequest, model: ServedModel, limits: Limits) -> tuple[dict[str, str], ...] | None:
+def _check_prompt_size(req: pb.GenerateRequest, model: ServedModel, limits: Limits) -> ChatInput | None:
     """Refuse, before tokenizing, a prompt that cannot fit: no token is longer than `model.max_token_chars`,
     so more characters than that times the prompt's token limit can only be too many tokens."""
     kind = req.WhichOneof("prompt")
@@ -296,16 +322,20 @@ def _check_prompt_size(req: pb.GenerateRequest, model: ServedModel, limits: Limi
             raise InvalidRequest("the prompt text is empty")
         return None
     messages = _chat(req.chat)
-    chars = sum(len(m["content"]) for m in messages)
+    chars = sum(len(m["content"]) + sum(len(c["arguments"]) for c in m.get("tool_calls", ())) for m in messages) + \
+        sum(len(t.name) + len(t.description) + len(t.parameters_json) for t in req.chat.tools)
     if chars > most_chars:
         raise InvalidRequest(f"the chat messages have {chars} characters; at most {most_chars} fit the "
                              f"{most_tokens}-token prompt limit of {model.name}")
     if not model.has_chat_template:
         raise InvalidRequest(f"{model.name} has no chat template; send the prompt as text")
-    return tuple(messages)
+    spec = tools.spec_of(req.chat, "any")  # the prompt does not depend on the parser (checked in `check`)
+    rendered, listed = tools.template_input(messages, spec, model.chat_template)
+    kwargs = tools.template_kwargs(req.chat)
+    return ChatInput(tuple(rendered), None if listed is None else tuple(listed), tuple(kwargs.items()))
 
 
-def _prompt(req: pb.GenerateRequest, model: ServedModel, limits: Limits, chat: tuple[dict[str, str], ...] | None) -> list[int]:
+def _prompt(req: pb.GenerateRequest, model: ServedModel, limits: Limits, chat: ChatInput | None) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind == "text":
         ids = model.encode(req.text)
@@ -315,7 +345,8 @@ def _prompt(req: pb.GenerateRequest, model: ServedModel, limits: Limits, chat: t
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary of {model.name} (0..{model.vocab_size - 1})")
     else:
-        ids = model.encode_chat(list(chat or ()))
+        assert chat is not None
+        ids = model.encode_chat(list(chat.messages), None if chat.tools is None else list(chat.tools), dict(chat.kwargs))
     if not ids:
         raise InvalidRequest("the prompt has no tokens after tokenization")
     if len(ids) > max_prompt_tokens(model, limits):
@@ -325,17 +356,37 @@ def _prompt(req: pb.GenerateRequest, model: ServedModel, limits: Limits, chat: t
     return ids
 
 
-def _chat(chat: pb.ChatMessages) -> list[dict[str, str]]:
+def _chat(chat: pb.ChatMessages) -> list[dict]:
     if not chat.messages:
         raise InvalidRequest("chat.messages is empty; send at least one message")
     if len(chat.messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(f"at most {MAX_CHAT_MESSAGES} chat messages are allowed")
     out = []
     for i, m in enumerate(chat.messages):
+        where = f"chat.messages[{i}]"
         if m.role not in CHAT_ROLES:
-            raise InvalidRequest(f"chat.messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
-        out.append({"role": m.role, "content": m.content})
-    if not any(m["content"].strip() for m in out):
+            raise InvalidRequest(f"{where}.role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
+        message: dict = {"role": m.role, "content": m.content}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidRequest(f"{where} has tool_calls but role {m.role!r}; only assistant messages call tools")
+            if len(m.tool_calls) > tools.MAX_TOOL_CALLS_IN_MESSAGE:
+                raise InvalidRequest(f"{where} has {len(m.tool_calls)} tool calls; at most "
+                                     f"{tools.MAX_TOOL_CALLS_IN_MESSAGE} are allowed")
+            for j, c in enumerate(m.tool_calls):
+                if not c.id or not c.name:
+                    raise InvalidRequest(f"{where}.tool_calls[{j}] needs its id and name (as the result gave them)")
+            message["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise InvalidRequest(f"{where} has role 'tool' but no tool_call_id; say which call it answers")
+            message["tool_call_id"] = m.tool_call_id
+        elif m.tool_call_id:
+            raise InvalidRequest(f"{where} has a tool_call_id but role {m.role!r}; only tool messages answer calls")
+        out.append(message)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise InvalidRequest("every chat message is empty")
     return out
 

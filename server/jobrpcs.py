@@ -179,6 +179,9 @@ class JobRpcs:
         if gen.traffic_class == pb.TRAFFIC_CLASS_UNSPECIFIED:
             gen.traffic_class = pb.BULK
         checked = convert.check(gen, self.models, self.default_model, self.limits)
+        if checked.tools is not None and checked.tools.parses:
+            raise InvalidRequest("a job stores tokens and text, not tool calls: call tools with Generate or Complete "
+                                 "(with an idempotency key to make them safe to retry), or send tool_choice NONE")
         key = convert.idempotency_key(gen)
         loop = asyncio.get_running_loop()
         valid = await loop.run_in_executor(self._request_work, convert.tokenize, checked, self.limits)

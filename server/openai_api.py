@@ -71,10 +71,45 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # as the SDK echoes an assistant message back; must be empty
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # always: arguments are constrained when a call is required or named
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Common(_Strict):
@@ -110,6 +145,10 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
@@ -123,8 +162,7 @@ def to_generate_request(req: ChatRequest | CompletionRequest, headers: dict[str,
     out = pb.GenerateRequest(model=req.model, request_id=headers.get("x-request-id", ""),
                              idempotency_key=headers.get("idempotency-key", ""))
     if isinstance(req, ChatRequest):
-        out.chat.CopyFrom(pb.ChatMessages(messages=[pb.ChatMessage(role=_role(m.role), content=_text(m.content))
-                                                    for m in req.messages]))
+        out.chat.CopyFrom(_chat(req))
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
@@ -163,6 +201,34 @@ def to_generate_request(req: ChatRequest | CompletionRequest, headers: dict[str,
     if itl is not None:
         out.itl_target_ms = _number(itl, "X-Tokenline-Itl-Target-Ms")
     return out
+
+
+_CHOICE = {"none": pb.ToolChoice.NONE, "auto": pb.ToolChoice.AUTO, "required": pb.ToolChoice.REQUIRED}
+
+
+def _chat(req: ChatRequest) -> pb.ChatMessages:
+    chat = pb.ChatMessages()
+    for i, m in enumerate(req.messages):
+        if m.refusal:
+            raise convert.InvalidRequest(f"messages[{i}].refusal is set; tokenline does not send refusals back")
+        chat.messages.append(pb.ChatMessage(
+            role=_role(m.role), content=_text(m.content), name=m.name or "", tool_call_id=m.tool_call_id or "",
+            tool_calls=[pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                        for c in m.tool_calls or ()]))
+    for t in req.tools or ():
+        f = t.function
+        chat.tools.append(pb.Tool(name=f.name, description=f.description,
+                                  parameters_json=json.dumps(f.parameters) if f.parameters is not None else ""))
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        chat.tool_choice.CopyFrom(pb.ToolChoice(mode=pb.ToolChoice.FUNCTION, function_name=choice.function.name))
+    elif choice is not None:
+        chat.tool_choice.CopyFrom(pb.ToolChoice(mode=_CHOICE[choice]))
+    if req.parallel_tool_calls is False:
+        chat.tool_choice.single_call = True
+    if req.chat_template_kwargs:
+        chat.chat_template_kwargs_json = json.dumps(req.chat_template_kwargs)
+    return chat
 
 
 def _role(role: str) -> str:
@@ -215,7 +281,19 @@ def _number(text: str, header: str) -> float:
 
 # ---------------------------------------------------------------- answers
 
-_FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.STOP_STRING: "stop", pb.CANCELLED: "abort", pb.DEADLINE: "abort"}
+_FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.STOP_STRING: "stop", pb.CANCELLED: "abort", pb.DEADLINE: "abort",
+           pb.TOOL_CALLS: "tool_calls"}
+
+
+def tool_call_json(call: pb.ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_delta_json(delta: pb.ToolCallDelta) -> dict[str, Any]:
+    if delta.id:
+        return {"index": delta.index, "id": delta.id, "type": "function",
+                "function": {"name": delta.name, "arguments": delta.arguments}}
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
 
 
 def timeline_json(timeline: pb.Timeline) -> dict[str, Any]:
@@ -248,8 +326,9 @@ def completion_logprobs(positions, offset: int) -> dict[str, Any]:  # noqa: ANN0
 class Answer:
     """One OpenAI response being built from GenerateChunks: a chat or a completion, streamed or whole."""
 
-    def __init__(self, chat: bool, model: str, want_logprobs: bool, want_token_ids: bool = False):
+    def __init__(self, chat: bool, model: str, want_logprobs: bool, want_token_ids: bool = False, tools: bool = False):
         self.chat, self.model, self.want_logprobs, self.want_token_ids = chat, model, want_logprobs, want_token_ids
+        self.tools = tools  # the message is `content` and `tool_calls`, not the whole text
         self.created = int(time.time())
         self.id = ""
         self.started: set[int] = set()
@@ -275,8 +354,11 @@ class Answer:
             if i not in self.started:
                 self.started.add(i)
                 delta["role"] = "assistant"
-            if chunk.text or "role" in delta:
-                delta["content"] = chunk.text
+            text = chunk.content if self.tools else chunk.text
+            if text or "role" in delta:
+                delta["content"] = text
+            if chunk.tool_calls:
+                delta["tool_calls"] = [tool_delta_json(d) for d in chunk.tool_calls]
             choice["delta"] = delta
         else:
             choice["text"] = chunk.text
@@ -304,12 +386,15 @@ class Answer:
     def whole(self, response: pb.CompleteResponse) -> dict[str, Any]:
         samples = list(response.samples) or [pb.Sample(sample_index=0, token_ids=response.token_ids, text=response.text,
                                                        finish_reason=response.finish_reason, logprobs=response.logprobs,
-                                                       timeline=response.timeline)]
+                                                       timeline=response.timeline, tool_calls=response.tool_calls,
+                                                       content=response.content)]
         choices = []
         for s in samples:
             choice: dict[str, Any] = {"index": s.sample_index}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": s.text}
+                choice["message"] = {"role": "assistant", "content": s.content or None if self.tools else s.text}
+                if s.tool_calls:
+                    choice["message"]["tool_calls"] = [tool_call_json(c) for c in s.tool_calls]
             else:
                 choice["text"] = s.text
             if self.want_logprobs:
@@ -399,8 +484,9 @@ class OpenAIDoor:
         metadata = [(k, v) for k, v in headers.items() if k in ("authorization", "x-api-key", "traceparent", "host")]
         client = scope.get("client") or ("", 0)
         context = self.context_factory(timeout, metadata, f"ipv4:{client[0]}:{client[1]}")
+        tools = chat and bool(req.tools) and req.tool_choice != "none"
         answer = Answer(chat, req.model or self.servicer.default_model, req.logprobs not in (None, False),
-                        req.return_token_ids)
+                        req.return_token_ids, tools)
         if req.stream:
             await self._stream(request, context, answer, req, receive, send)
         else:

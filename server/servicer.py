@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from tokenline.server import convert
+from tokenline.server import convert, tools
 from tokenline.server.auth import DEFAULT_TENANT, Authenticator
 from tokenline.server.catalog import ServedModel
 from tokenline.server.errors import DeadlineUnmeetable, InvalidRequest, RequestNotFound, ServingError, Unavailable, abort_with
@@ -56,21 +56,22 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         async with self._call(request, context) as call:
+            out = self._tool_chunks(call)
             if call.replay is not None:
                 for chunk in convert.replay_chunks(call.replay.result, call.replay.token_text, request.resume_from_index):
-                    yield chunk
+                    yield out(chunk)
                 call.outcome = "replayed"
                 return
             if call.samples:
                 async for chunk in self._sample_chunks(call):
-                    yield chunk
+                    yield out(chunk)
                 call.outcome = _outcome(call.state)
                 return
             state = call.state
             async for chunk in self.runtime.events(state, call.mailbox, request.resume_from_index):
-                yield convert.chunk_pb(state, chunk)
+                yield out(convert.chunk_pb(state, chunk))
             state.timeline.last_byte = time.monotonic()
-            yield convert.final_chunk(state)
+            yield out(convert.final_chunk(state))
             state.timeline.last_byte = time.monotonic()
             call.outcome = _outcome(state)
 
@@ -78,20 +79,20 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         async with self._call(request, context) as call:
             if call.replay is not None:
                 call.outcome = "replayed"
-                return call.replay.result
+                return self._tool_calls(call, call.replay.result)
             if call.samples:
                 for state, mailbox in call.samples:
                     async for _ in self.runtime.events(state, mailbox):
                         pass
                     state.timeline.last_byte = time.monotonic()
                 call.outcome = _outcome(call.state)
-                return convert.complete_samples([s for s, _ in call.samples], call.state.request_id)
+                return self._tool_calls(call, convert.complete_samples([s for s, _ in call.samples], call.state.request_id))
             state = call.state
             async for _ in self.runtime.events(state, call.mailbox):
                 pass
             state.timeline.last_byte = time.monotonic()
             call.outcome = _outcome(state)
-            return convert.complete_response(state)
+            return self._tool_calls(call, convert.complete_response(state))
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         try:
@@ -133,6 +134,34 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
             await abort_with(context, err)
 
     # ------------------------------------------------------------- helpers
+
+    def _tool_chunks(self, call: _Call) -> Callable[[pb.GenerateChunk], pb.GenerateChunk]:
+        """With tools: each chunk with its content and tool-call pieces (tools.ChunkAnnotator); else as it is."""
+        if call.tools is None or not call.tools.parses:
+            return lambda chunk: chunk
+
+        def prime(sample: int, index: int) -> str:  # the text before a resumed stream's first chunk
+            if call.replay is not None:
+                text = call.replay.token_text
+                return "".join(text[:index]) if text is not None else ""
+            return "".join(call.followed()[sample][0].text[:index])
+
+        return tools.ChunkAnnotator(call.tools, self._tool_parsers(call), prime)
+
+    def _tool_calls(self, call: _Call, response: pb.CompleteResponse) -> pb.CompleteResponse:
+        """With tools: the response (and each sample) with its content and tool calls."""
+        if call.tools is None or not call.tools.parses:
+            return response
+        out = pb.CompleteResponse()
+        out.CopyFrom(response)
+        factory = self._tool_parsers(call)
+        tools.annotate(call.tools, out, out.request_id, 0, factory)
+        for sample in out.samples:
+            tools.annotate(call.tools, sample, out.request_id, sample.sample_index, factory)
+        return out
+
+    def _tool_parsers(self, call: _Call):  # noqa: ANN202
+        return self.models[call.model].tool_parsers if call.tools.mode == "auto" else None
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         if not self.auth.enabled:
@@ -185,19 +214,20 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         key = convert.idempotency_key(request)
         loop = asyncio.get_running_loop()
         valid = await loop.run_in_executor(self._request_work, convert.tokenize, checked, self.limits)
+        tooled = {"tools": checked.tools, "model": checked.model.name}
         if valid.n > 1:
             if key:
                 raise InvalidRequest("n > 1 cannot be combined with an idempotency key yet: send n requests with a key "
                                      "each, or n > 1 without one")
-            return self._run_samples(request, context, received, tenant, valid)
+            return replace(self._run_samples(request, context, received, tenant, valid), **tooled)
         if not key:
-            return self._run(request, context, received, tenant, valid, key)
+            return replace(self._run(request, context, received, tenant, valid, key), **tooled)
         async with self.keys.decide(tenant, key, fingerprint(valid.model.name, valid.sampling, valid.prompt_ids), request) as found:
             if isinstance(found, Attach):
-                return _Call(state=found.state, mailbox=found.state.subscribe(request.resume_from_index))
+                return _Call(state=found.state, mailbox=found.state.subscribe(request.resume_from_index), **tooled)
             if isinstance(found, Replay):
-                return _Call(replay=found)
-            call = self._run(request, context, received, tenant, valid, key)
+                return _Call(replay=found, **tooled)
+            call = replace(self._run(request, context, received, tenant, valid, key), **tooled)
             found.started(call.state)
             return call
 
@@ -285,6 +315,8 @@ class _Call:
     outcome: str = "error"  # how it ended, for telemetry: set by the call once it has answered
     # n > 1: every sample's run and mailbox, sample 0 (also `state`, `mailbox`) first.
     samples: list[tuple[RequestState, asyncio.Queue]] = field(default_factory=list)
+    tools: tools.ToolSpec | None = None  # a chat's tools: results carry the calls
+    model: str = ""
 
     def followed(self) -> list[tuple[RequestState, asyncio.Queue]]:
         """The runs this call follows: its samples, or its one run (none for a replay)."""

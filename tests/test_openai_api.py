@@ -95,8 +95,11 @@ def test_a_stream_left_by_its_caller_stops_its_request(tiny_server, sdk):
     (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}).encode(), 400,
      "temperature must be in [0, 2]"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}).encode(), 400,
-     "tools is not a field tokenline takes"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "functions": []}).encode(), 400,
+     "functions is not a field tokenline takes"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                 "tools": [{"type": "function", "function": {"name": "no spaces"}}]}).encode(), 400,
+     "tools[0].name must be"),
     (json.dumps({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "unknown model"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                  "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}

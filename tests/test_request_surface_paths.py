@@ -19,6 +19,7 @@ import pytest
 
 from tokenline.client import AsyncClient, Client
 from tokenline.client.errors import InvalidRequest
+from tokenline.server import tools
 from tests.support import ServerProcess
 from tests.test_failures import worker_pids
 from tests.test_request_surface import SCHEMA, valid_against_schema
@@ -52,12 +53,30 @@ def _logprobs(deltas, tokens, text):
     assert all(len(p.top) == 2 and p.token.rank == 1 for p in positions)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def _tool_call(deltas, tokens, text):
+    # The calls streamed as pieces make exactly the call list the whole text holds, with valid arguments.
+    assert deltas[-1].finish_reason == "tool_calls", (deltas[-1].finish_reason, text)
+    (expected,) = json.loads(text, strict=False)
+    pieces = [p for d in deltas for p in d.tool_calls]
+    assert [p.name for p in pieces if p.id] == ["get_weather"] and all(p.index == 0 for p in pieces)
+    arguments = json.loads("".join(p.arguments for p in pieces), strict=False)
+    assert arguments == expected["parameters"] and isinstance(arguments["city"], str) and len(arguments["city"]) <= 12
+
+
 CASES = {
     "presence penalty": (dict(temperature=0, presence_penalty=1.5, ignore_eos=True, max_tokens=120), _no_repeat),
     "min_tokens": (dict(temperature=0, min_tokens=60, logit_bias={EOS: 100}, max_tokens=200), _min_tokens),
     "regex": (dict(temperature=0, regex="(abc){40}", max_tokens=300), _regex),
     "json schema": (dict(temperature=1.0, seed=4, json_schema=SCHEMA, max_tokens=500), _json),
     "logprobs": (dict(temperature=0, logprobs=2, ignore_eos=True, max_tokens=120), _logprobs),
+    "tool call": (dict(messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+                       tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=6, max_tokens=400),
+                  _tool_call),
 }
 
 
@@ -82,7 +101,8 @@ async def _streams(address, cases, *, cls="interactive", on_progress=None):
     async with AsyncClient(address) as client:
         async def one(i, case):
             deltas = []
-            async for d in client.generate(token_ids=[5, 6, 7, 8 + i], traffic_class=cls, **CASES[case][0]):
+            prompt = {} if "messages" in CASES[case][0] else {"token_ids": [5, 6, 7, 8 + i]}
+            async for d in client.generate(**prompt, traffic_class=cls, **CASES[case][0]):
                 deltas.append(d)
                 counts[i] += len(d.token_ids)
                 if on_progress is not None and not fired.is_set() and await on_progress(counts):
@@ -183,6 +203,37 @@ def test_logprobs_survive_an_idempotent_replay_resumed_from_an_index_and_a_re_at
     follower = asyncio.run(attach())
     tokens = [t for d in follower for t in d.token_ids]
     assert len(tokens) == 400 and [p.token.token_id for d in follower for p in d.logprobs] == tokens
+
+
+def test_tool_calls_survive_an_idempotent_replay_resumed_from_an_index(crash_server):
+    """A resumed stream's tool-call pieces are those after its index: the call's id and name were sent before
+    it (they are not sent again) and its arguments go on from where the earlier pieces stopped."""
+    import grpc
+
+    from tokenline.client._convert import build_request
+    from tokenline.v1 import tokenline_pb2 as pb, tokenline_pb2_grpc as pb_grpc
+
+    kwargs = dict(messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="required",
+                  parallel_tool_calls=False, temperature=1.0, seed=8, max_tokens=400, idempotency_key="surface-tools")
+    with Client(crash_server.address) as client:
+        first = client.complete(**kwargs)
+        (call,) = first.tool_calls
+        assert first.finish_reason == "tool_calls" and call.name == "get_weather"
+        full = [d for d in client.generate(**kwargs)]  # replayed whole: the same call, the same id
+    assert [(p.id, p.name) for d in full for p in d.tool_calls if p.id] == [(call.id, "get_weather")]
+    assert "".join(p.arguments for d in full for p in d.tool_calls) == call.arguments
+    with grpc.insecure_channel(crash_server.address) as channel, Client(crash_server.address) as client:
+        stub = pb_grpc.TokenlineStub(channel)
+        for index in (1, len(first.token_ids) // 2, len(first.token_ids) - 1):
+            chunks = list(stub.Generate(build_request(**kwargs, resume_from_index=index), timeout=30))
+            pieces = [p for c in chunks for p in c.tool_calls]
+            assert chunks[-1].finish_reason == pb.TOOL_CALLS
+            # What a caller had before the index: the pieces of the text of the tokens before it.
+            before = tools.CallStream(tools.ToolSpec((), "required"), "r", 0).feed(
+                client.detokenize(list(first.token_ids[:index]), skip_special_tokens=True))[1]
+            sent = "".join(p.arguments for p in before)
+            assert sent + "".join(p.arguments for p in pieces) == call.arguments, index
+            assert [p.name for p in pieces if p.id] == ([] if any(p.id for p in before) else ["get_weather"]), index
 
 
 def test_a_job_keeps_its_sampling_and_format_and_refuses_logprobs_it_cannot_store(crash_server):
