@@ -183,7 +183,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         from tokenline.server.openai_api import OpenAIDoor
         from tokenline.server.web import WebContext
 
-        web.gateway.openai = OpenAIDoor(servicer, WebContext)  # and the OpenAI-compatible /v1 routes
+        web.gateway.openai = OpenAIDoor(servicer, WebContext, config.web.read_timeout_s)  # and the OpenAI-compatible /v1 routes
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

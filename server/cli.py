@@ -166,6 +166,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--web-cors-origin", default=None, metavar="ORIGIN",
                    help="let pages from ORIGIN (e.g. https://app.example.com, or *) call the gRPC-Web port "
                         "(default: only the page the port serves itself)")
+    p.add_argument("--web-read-timeout-s", type=float, default=15.0,
+                   help="a request's head, then its body, must each arrive within this on the web port: a connection "
+                        "that sends nothing (or a byte at a time) is closed, a trickling body gets 408 "
+                        "(default %(default)s)")
+    p.add_argument("--web-max-connections", type=int, default=4096,
+                   help="connections and requests at once on the web port; beyond, requests get 503 at once "
+                        "(default %(default)s)")
     p.add_argument("--web-root", default=None, metavar="DIR",
                    help="folder of the page's files, read at start (default: the build/web that `make web` writes)")
 
@@ -286,7 +293,8 @@ def _web_config(args: argparse.Namespace):
     from tokenline.server.web import WebConfig
 
     return WebConfig(port=args.web_port, host=args.host, cors_origin=args.web_cors_origin, root=args.web_root,
-                     tls_cert=args.tls_cert, tls_key=args.tls_key)
+                     tls_cert=args.tls_cert, tls_key=args.tls_key, read_timeout_s=args.web_read_timeout_s,
+                     max_connections=args.web_max_connections)
 
 
 def _idempotency_db(value: str | None, port: int) -> str | None:

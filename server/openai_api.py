@@ -451,8 +451,8 @@ def validation_message(error: ValidationError) -> str:
 class OpenAIDoor:
     """An ASGI app for the /v1 routes, serving through `servicer` with `context_factory(timeout, metadata, peer)`."""
 
-    def __init__(self, servicer: Any, context_factory: Any):
-        self.servicer, self.context_factory = servicer, context_factory
+    def __init__(self, servicer: Any, context_factory: Any, read_timeout_s: float = 15.0):
+        self.servicer, self.context_factory, self.read_timeout_s = servicer, context_factory, read_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         method, path = scope["method"], scope["path"].rstrip("/")
@@ -465,7 +465,7 @@ class OpenAIDoor:
                                                      "param": None, "code": "not_found"}})
         if method != "POST":
             return await _json(send, 405, http_error(grpc.StatusCode.UNIMPLEMENTED, f"{path} takes POST")[1])
-        body = await _read_body(receive, headers)
+        body = await _read_body(receive, headers, self.read_timeout_s)
         if isinstance(body, tuple):
             return await _json(send, *body)
         chat = path == "/v1/chat/completions"
@@ -588,14 +588,21 @@ async def _disconnected(receive) -> None:  # noqa: ANN001
         pass
 
 
-async def _read_body(receive, headers: dict[str, str]) -> bytes | tuple[int, dict]:  # noqa: ANN001
+async def _read_body(receive, headers: dict[str, str], timeout_s: float) -> bytes | tuple[int, dict]:  # noqa: ANN001
     declared = headers.get("content-length")
     too_big = (413, http_error(grpc.StatusCode.INVALID_ARGUMENT, f"the body is larger than {MAX_BODY_BYTES} bytes")[1])
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         return too_big
     body = bytearray()
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s  # the whole body, not each piece: a byte a second must not hold a request open
     while True:
-        event = await receive()
+        try:
+            async with asyncio.timeout_at(until):
+                event = await receive()
+        except TimeoutError:
+            return (408, {"error": {"message": f"the request body did not arrive within {timeout_s:g} s; send it at once",
+                                    "type": "invalid_request_error", "param": None, "code": "request_timeout"}})
         if event["type"] == "http.disconnect":
             return (499, {})
         body += event.get("body", b"")

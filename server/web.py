@@ -51,10 +51,19 @@ class WebConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     tls_cert: str | None = None
     tls_key: str | None = None
+    # A request's head, and then its body, must each arrive within this: a connection that sends nothing
+    # (or a head a byte at a time) is closed, a body that trickles gets 408. Idle keep-alive: uvicorn's 5 s.
+    read_timeout_s: float = 15.0
+    # Connections (and requests) at once on the web port; beyond, new requests get 503 at once.
+    max_connections: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--web-port must be in 0..65535, got {self.port}")
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"--web-read-timeout-s must be positive, got {self.read_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"--web-max-connections must be at least 1, got {self.max_connections}")
 
 
 class WebContext(ServicerContext):
@@ -142,7 +151,13 @@ class WebGateway(grpcASGI):
         limit = self.config.max_message_bytes + 5
         text = context._unwrap_message is protocol.b64_unwrap_message_asgi
         while True:
-            event = await receive()
+            try:
+                async with asyncio.timeout(self.config.read_timeout_s):
+                    event = await receive()
+            except TimeoutError:
+                await reply.end(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the request body did not arrive within {self.config.read_timeout_s:g} s")
+                return None
             if event["type"] == "http.disconnect":
                 return None
             body += event.get("body", b"")
@@ -307,8 +322,9 @@ class WebServer:
         # Started by hand, not with Server.serve(): that would take over SIGTERM and SIGINT from the gRPC server.
         config = uvicorn.Config(self.gateway, lifespan="off", log_level="warning", access_log=False,
                                 ssl_certfile=self.config.tls_cert, ssl_keyfile=self.config.tls_key,
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, limit_concurrency=self.config.max_connections)
         config.load()
+        config.http_protocol_class = head_deadline(config.http_protocol_class, self.config.read_timeout_s)
         self._server = uvicorn.Server(config)
         self._server.lifespan = config.lifespan_class(config)
         await self._server.startup(sockets=[sock])
@@ -319,4 +335,39 @@ class WebServer:
             await self._server.shutdown()
 
 
-__all__ = ["WebConfig", "WebGateway", "WebServer", "load_files"]
+def head_deadline(protocol_class: type, timeout_s: float) -> type:
+    """uvicorn's HTTP protocol, closing a connection whose request head has not all arrived within `timeout_s`
+    of its first byte or of the connection's opening (uvicorn itself waits forever for a first request, and for
+    a head sent a byte at a time: a few thousand such connections would hold as many sockets for good)."""
+
+    class HeadDeadline(protocol_class):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport) -> None:  # noqa: ANN001
+            super().connection_made(transport)
+            self._seen_cycle = None
+            self._head_timer = self.loop.call_later(timeout_s, self._head_late)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and self.cycle is not self._seen_cycle:  # a head arrived whole
+                self._seen_cycle = self.cycle
+                if self._head_timer is not None:
+                    self._head_timer.cancel()
+                    self._head_timer = None
+            elif self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._head_timer = self.loop.call_later(timeout_s, self._head_late)  # a next head began
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.cycle is self._seen_cycle and (self.cycle is None or self.cycle.response_complete):
+                self.transport.close()
+
+    return HeadDeadline
+
+
+__all__ = ["WebConfig", "WebGateway", "WebServer", "head_deadline", "load_files"]
