@@ -53,6 +53,16 @@ defaults (sized from the machine), vllm serve with its own (--vllm-same-settings
 the engine in-process both with one tokenline worker's settings and as the box's best (all cores).
 """
 
+DOORS_EXAMPLES = """examples:
+  tokenline bench doors --model tiny                       # a few minutes
+  tokenline bench doors                                    # the default model: ten minutes or so
+  tokenline bench doors --skip vllm                        # tokenline's two doors only
+
+Runs `vllm bench serve --backend openai-chat` (all requests at once) against tokenline's HTTP door and against
+`vllm serve` (its own defaults), and tokenline's own bench against tokenline's gRPC and HTTP doors (saturation,
+then concurrency 1). Prints throughput and TTFT side by side and as ratios.
+"""
+
 FEATURES_EXAMPLES = """examples:
   tokenline bench features --model tiny                    # a minute or two
   tokenline bench features                                 # the default model: several minutes
@@ -180,15 +190,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     feat = sub.add_parser("features", help="what logprobs, n and a JSON schema cost, tokenline and vllm serve side by side",
                           epilog=FEATURES_EXAMPLES, formatter_class=_formatter)
-    feat.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
-    feat.add_argument("--compile", choices=("on", "off"), default="on", help="tokenline's --compile (default %(default)s)")
-    feat.add_argument("--workers", type=int, default=None, help="tokenline's workers (default: the machine's plan)")
-    feat.add_argument("--requests", type=int, default=64, help="requests sent at once per variant (default %(default)s)")
-    feat.add_argument("--input-len", type=int, default=256, help="prompt tokens (default %(default)s)")
-    feat.add_argument("--output-len", type=int, default=128, help="output tokens (default %(default)s)")
-    feat.add_argument("--skip", default="", help="leave out a server: tokenline or vllm")
-    feat.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
-    feat.add_argument("--out", default=None, help="output folder (default bench-results/features-<time>)")
+    _side_by_side_args(feat, "features", "requests sent at once per variant")
+
+    doors = sub.add_parser("doors", help="the HTTP door against vllm serve (vllm bench serve) and against the gRPC door",
+                           epilog=DOORS_EXAMPLES, formatter_class=_formatter)
+    _side_by_side_args(doors, "doors", "requests sent at once")
 
     st = sub.add_parser("structured", help="JSON-schema outputs through SIGKILLs and preemptions: all must validate",
                         epilog=STRUCTURED_EXAMPLES, formatter_class=_formatter)
@@ -358,3 +364,16 @@ def run_bench(args: argparse.Namespace) -> int:
     from tokenline.bench import commands
 
     return commands.dispatch(args)
+
+
+def _side_by_side_args(p: argparse.ArgumentParser, name: str, requests_help: str) -> None:
+    """tokenline (its serve defaults) and vllm serve (its own) at one saturating workload: bench features, doors."""
+    p.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
+    p.add_argument("--compile", choices=("on", "off"), default="on", help="tokenline's --compile (default %(default)s)")
+    p.add_argument("--workers", type=int, default=None, help="tokenline's workers (default: the machine's plan)")
+    p.add_argument("--requests", type=int, default=64, help=requests_help + " (default %(default)s)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens (default %(default)s)")
+    p.add_argument("--skip", default="", help="leave out a server: tokenline or vllm")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    p.add_argument("--out", default=None, help=f"output folder (default bench-results/{name}-<time>)")

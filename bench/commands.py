@@ -55,7 +55,7 @@ def dispatch(args: argparse.Namespace) -> int:
     from tokenline.bench.runner import LoadGeneratorBehind
     from tokenline.bench.servers import ServerStartError
 
-    command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "features": cmd_features,
+    command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "features": cmd_features, "doors": cmd_doors,
                "structured": cmd_structured, "mixed": cmd_mixed, "simulate": cmd_simulate,
                "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz, "web": cmd_web,
                "ray-capacity": cmd_ray_capacity, "jobs": cmd_jobs}[args.bench_command]
@@ -257,11 +257,10 @@ def cmd_mixed(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_features(args: argparse.Namespace) -> int:
+def _serve_like_spec(args: argparse.Namespace):  # noqa: ANN202
+    """tokenline with its serve defaults, at the workload the arguments give (bench features, bench doors)."""
     from tokenline.bench.cli import serve_defaults
     from tokenline.bench.compare import CompareSpec
-    from tokenline.bench.features import features
-    from tokenline.bench.runner import run
     from tokenline.bench.servers import EngineSettings
 
     serve = serve_defaults()
@@ -269,15 +268,33 @@ def cmd_features(args: argparse.Namespace) -> int:
                               interactive_slots=serve["interactive_slots"], max_model_len=serve["max_model_len"],
                               block_size=serve["block_size"], prefill_budget=serve["prefill_budget"],
                               workers=args.workers, compile=args.compile == "on")
-    spec = CompareSpec(settings=settings, requests=args.requests, input_len=args.input_len, output_len=args.output_len,
-                       seed=args.seed)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if skip - {"tokenline", "vllm"}:
         raise ValueError(f"--skip takes tokenline or vllm, not {', '.join(sorted(skip - {'tokenline', 'vllm'}))}")
-    servers = tuple(k for k in ("tokenline", "vllm") if k not in skip)
-    folder = out_dir(args, "features")
-    run(features(spec, folder, servers=servers, log=lambda line: print(line, flush=True)))
-    print(f"\nwrote {folder}/features.json, features.txt and each run's files")
+    spec = CompareSpec(settings=settings, requests=args.requests, input_len=args.input_len, output_len=args.output_len,
+                       seed=args.seed)
+    return spec, tuple(k for k in ("tokenline", "vllm") if k not in skip)
+
+
+def cmd_doors(args: argparse.Namespace) -> int:
+    from tokenline.bench.doors import doors
+
+    return _side_by_side(args, "doors", doors)
+
+
+def cmd_features(args: argparse.Namespace) -> int:
+    from tokenline.bench.features import features
+
+    return _side_by_side(args, "features", features)
+
+
+def _side_by_side(args: argparse.Namespace, name: str, measure) -> int:  # noqa: ANN001
+    from tokenline.bench.runner import run
+
+    spec, servers = _serve_like_spec(args)
+    folder = out_dir(args, name)
+    run(measure(spec, folder, servers=servers, log=lambda line: print(line, flush=True)))
+    print(f"\nwrote {folder}/{name}.json, {name}.txt and each run's files")
     return EXIT_OK
 
 

@@ -138,6 +138,7 @@ class _Common(_Strict):
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
     return_token_ids: bool = False  # vLLM's: each choice carries its token ids (tokenline's bench counts them)
+    priority: int | None = None  # vLLM's (lower first): > 0 is bulk here, <= 0 interactive (unless X-Tokenline-Class)
 
 
 class ChatRequest(_Common):
@@ -193,7 +194,8 @@ def to_generate_request(req: ChatRequest | CompletionRequest, headers: dict[str,
     fmt = _format(req)
     if fmt is not None:
         s.structured_output.CopyFrom(fmt)
-    cls = headers.get("x-tokenline-class", "bulk" if req.service_tier == "flex" else "interactive")
+    bulk = req.service_tier == "flex" or (req.priority is not None and req.priority > 0)
+    cls = headers.get("x-tokenline-class", "bulk" if bulk else "interactive")
     if cls not in ("interactive", "bulk"):
         raise convert.InvalidRequest(f"X-Tokenline-Class is interactive or bulk, not {cls!r}")
     out.traffic_class = pb.BULK if cls == "bulk" else pb.INTERACTIVE
