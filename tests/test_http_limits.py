@@ -102,3 +102,28 @@ def test_a_body_that_trickles_gets_408_and_a_body_that_never_ends_does_not_hold_
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"did not arrive within" in answer
     assert _chat(server.web_url).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def full_server():
+    # One slot, one queued request, 20 ms steps: a third long request at once finds the queue full.
+    s = ServerProcess("--engine", "sim", "--model", "tiny", "--workers", "1", "--max-seqs", "1", "--interactive-slots", "0",
+                      "--queue-requests", "1", "--sim-step-ms", "20", "--web-port", "0").start()
+    yield s
+    s.stop()
+
+
+def test_a_full_queue_is_429_with_retry_after_and_a_passed_deadline_is_504(full_server):
+    import concurrent.futures
+
+    body = {"model": "tiny-llama", "max_tokens": 100, "ignore_eos": True, "messages": [{"role": "user", "content": "hi"}]}
+    url = full_server.web_url + "/v1/chat/completions"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(httpx.post, url, json=body, timeout=60) for _ in range(2)]
+        time.sleep(0.5)  # both admitted or queued: the slot and the queue are taken
+        refused = httpx.post(url, json=body, timeout=60)
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["type"] == "rate_limit_error"
+        assert [f.result().status_code for f in running] == [200, 200]
+    late = httpx.post(url, json=body | {"max_tokens": 500}, headers={"X-Tokenline-Deadline-Ms": "300"}, timeout=60)
+    assert late.status_code == 504 and "deadline" in late.json()["error"]["message"], late.text
