@@ -168,12 +168,15 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     if config.jobs is not None:
         try:
             job_store = await asyncio.to_thread(JobStore, config.jobs.store)
+            # Watchers read on a second connection (own thread), never queued behind lease renewals;
+            # an in-memory SQLite store is one connection's own database, so it has no second one.
+            reads = job_store if config.jobs.store == ":memory:" else await asyncio.to_thread(JobStore, config.jobs.store)
         except Exception as err:  # a store that cannot open stops the server: accepted jobs would be lost
             print(f"tokenline: cannot open the job store: {err}", file=sys.stderr, flush=True)
             await runtime.close()
             await asyncio.to_thread(telemetry.shutdown)
             return 1
-        jobs = servicer.jobs = JobRunner(job_store, runtime, config.jobs)
+        jobs = servicer.jobs = JobRunner(job_store, runtime, config.jobs, reads)
     web = None
     if config.web is not None:
         from tokenline.server.web import WebServer
@@ -270,6 +273,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         idempotency.close()
     if jobs is not None:
         jobs.store.close()
+        if jobs.reads is not jobs.store:
+            jobs.reads.close()
     await asyncio.to_thread(telemetry.shutdown)
     print("tokenline: stopped", flush=True)
     return status

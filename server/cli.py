@@ -152,7 +152,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="how long finished jobs and their tokens are kept (default one week)")
     p.add_argument("--jobs-running", type=int, default=32, help="jobs this server runs at once (default %(default)s)")
     p.add_argument("--job-attempts", type=int, default=5,
-                   help="times a job is started (across server deaths) before it ends failed (default %(default)s)")
+                   help="times a job is started (across server deaths) before it ends failed (default %(default)s); "
+                        "a start the scheduler refused for now (quota, full queue, no worker) is not counted: "
+                        "the job waits, with a growing backoff, and is claimed again")
+    p.add_argument("--job-max-wait-s", type=float, default=86_400.0,
+                   help="a job still queued this long after its submission ends expired (default one day)")
     p.add_argument("--request-log-level", default="INFO",
                    help="level of the one key=value line per finished request, or OFF (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -316,7 +320,7 @@ def _job_config(args: argparse.Namespace):
     if store is None:
         return None
     return JobConfig(store=store, lease_s=args.job_lease_s, retention_s=args.job_retention_s,
-                     max_running=args.jobs_running, max_attempts=args.job_attempts)
+                     max_running=args.jobs_running, max_attempts=args.job_attempts, max_wait_s=args.job_max_wait_s)
 
 
 def _job_store(value: str | None, port: int) -> str | None:

@@ -12,6 +12,8 @@ import base64
 import binascii
 import dataclasses
 import json
+import math
+import re
 import time
 import uuid
 
@@ -35,6 +37,7 @@ from tokenline.v1 import tokenline_pb2 as pb
 MAX_PAGE = 1000
 DEFAULT_PAGE = 100
 WATCH_STORE_RETRY_S = 0.5
+JOB_ID = re.compile(r"[0-9a-f]{32}")  # what SubmitJob gives (uuid4 hex); nothing else names a job
 
 _STATE_PB = {"queued": pb.JOB_QUEUED, "running": pb.JOB_RUNNING, "succeeded": pb.JOB_SUCCEEDED,
              "failed": pb.JOB_FAILED, "cancelled": pb.JOB_CANCELLED, "expired": pb.JOB_EXPIRED}
@@ -76,7 +79,7 @@ class JobRpcs:
         while True:
             progress = self.jobs.progress(job.job_id)  # taken before reading: no checkpoint slips between
             try:
-                tokens = await self.jobs.store.call("tokens", job.job_id, index)
+                tokens = await self.jobs.reads.call("tokens", job.job_id, index)
                 if not tokens:
                     job = await self._get(tenant, job.job_id)
             except Unavailable:  # the store is away: the watcher waits, it is not failed
@@ -102,7 +105,7 @@ class JobRpcs:
         try:
             tenant = self._job_caller(request, context, "GetJobRequest")
             job = await self._get(tenant, request.job_id)
-            tokens = await self.jobs.store.call("tokens", job.job_id, 0, MAX_TOKENS_PER_READ)
+            tokens = await self.jobs.reads.call("tokens", job.job_id, 0, MAX_TOKENS_PER_READ)
             out = job_pb(job)
             out.token_ids.extend(t for t, _ in tokens)
             out.text = "".join(text for _, text in tokens)
@@ -131,7 +134,7 @@ class JobRpcs:
                 raise InvalidRequest(f"states: {bad[0]} is not a JobState (1..6)")
             states = tuple(sorted({_STATE_NAME[s] for s in request.states if s in _STATE_NAME}))
             after = _cursor(request.page_token) if request.page_token else None
-            jobs = await self.jobs.store.call("list", tenant, states, after, size + 1)
+            jobs = await self.jobs.reads.call("list", tenant, states, after, size + 1)
             more = len(jobs) > size
             jobs = jobs[:size]
             token = _token(jobs[-1]) if more else ""
@@ -153,11 +156,13 @@ class JobRpcs:
         job_id = getattr(request, "job_id", None)
         if job_id is not None and not job_id:
             raise InvalidRequest("job_id is required")
+        if job_id and not JOB_ID.fullmatch(job_id):  # never sent to the store (a NUL byte is an error there)
+            raise RequestNotFound("no such job: job ids are the 32 hexadecimal digits SubmitJob returned")
         return tenant
 
     async def _get(self, tenant: str, job_id: str) -> JobRecord:
         try:
-            return await self.jobs.store.call("get", tenant, job_id)
+            return await self.jobs.reads.call("get", tenant, job_id)
         except LookupError:
             # Another tenant's job is indistinguishable from no job at all.
             raise RequestNotFound(f"no job {job_id!r} (unknown, another caller's, or finished and purged)") from None
@@ -167,6 +172,7 @@ class JobRpcs:
             raise InvalidRequest("request is required: the generation to run, as for Generate")
         gen = pb.GenerateRequest()
         gen.CopyFrom(request.request)
+        gen.DiscardUnknownFields()  # stored with the job: fields this server does not know are not kept
         if gen.request_id:
             raise InvalidRequest("request.request_id must be empty for a job: the server chooses the job id")
         if gen.resume_from_index:
@@ -208,6 +214,9 @@ def _token(job: JobRecord) -> str:
 def _cursor(token: str) -> tuple[float, str]:
     try:
         created, job_id = json.loads(base64.urlsafe_b64decode(token.encode()))
-        return float(created), str(job_id)
-    except (ValueError, TypeError, binascii.Error):
+        created = float(created)
+        if not math.isfinite(created) or not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
+            raise ValueError(token)
+        return created, job_id
+    except (ValueError, TypeError, OverflowError, binascii.Error):
         raise InvalidRequest("page_token is not one this server gave; start again with an empty page_token") from None

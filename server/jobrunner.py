@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import socket
 import time
 import uuid
@@ -36,6 +37,8 @@ log = logging.getLogger("tokenline.jobs")
 _SUCCESS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING)
 STORE_RETRY_S = 0.5
 PURGE_EVERY_S = 60.0
+DEFER_FIRST_S = 0.25  # a job refused for now (quota, full queue, no worker) waits this long before its next claim,
+DEFER_MAX_S = 10.0  # doubling with each refusal up to this (or the scheduler's retry hint, if longer)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class JobConfig:
     max_attempts: int = 5  # claims per job: one that keeps killing frontends ends `failed`
     checkpoint_s: float = 0.05  # tokens are written in batches at most this often per job
     poll_s: float = 0.5  # how often the store is asked for jobs (and watchers look for other frontends' tokens)
+    max_wait_s: float = 86_400.0  # a job still queued this long after its submission ends `expired`
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
@@ -59,6 +63,8 @@ class JobConfig:
             raise ValueError(f"--jobs-running must be >= 1, got {self.max_running}")
         if self.max_attempts < 1:
             raise ValueError(f"--job-attempts must be >= 1, got {self.max_attempts}")
+        if self.max_wait_s <= 0:
+            raise ValueError(f"--job-max-wait-s must be > 0, got {self.max_wait_s}")
 
 
 def job_fingerprint(model: str, sampling: Sampling, prompt_ids: list[int]) -> str:
@@ -72,9 +78,21 @@ def sampling_from_json(text: str) -> Sampling:
     return Sampling.from_dict(json.loads(text))
 
 
+def defer_s(refusals: int, hint_s: float | None) -> float:
+    """How long a job refused for now waits before it is claimed again: doubling per refusal,
+    at least the scheduler's hint, at most DEFER_MAX_S; jittered so refused jobs do not return together."""
+    base = min(DEFER_MAX_S, max(DEFER_FIRST_S * 2 ** min(refusals, 16), hint_s or 0.0))
+    return base * random.uniform(0.75, 1.0)
+
+
 class JobRunner:
-    def __init__(self, store: JobStore, runtime: Runtime, config: JobConfig):
+    """`store` takes the runner's writes and lease renewals; `reads` (a second connection on its own
+    thread, when the store is a file or a database) answers watchers, so a crowd of them never delays
+    a renewal past its lease."""
+
+    def __init__(self, store: JobStore, runtime: Runtime, config: JobConfig, reads: JobStore | None = None):
         self.store = store
+        self.reads = reads or store
         self.runtime = runtime
         self.config = config
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -172,8 +190,13 @@ class JobRunner:
                         self.runtime.cancel(r.state.key)
 
     async def _purge_loop(self) -> None:
+        """End jobs that waited too long in the queue; forget finished ones past their retention."""
         while True:
             try:
+                expired = await self.store.call("expire_waiting", self.config.max_wait_s)
+                if expired:
+                    log.info("%d queued jobs expired (deadline passed, or waited over %.0f s)", expired,
+                             self.config.max_wait_s)
                 purged = await self.store.call("purge", self.config.retention_s)
                 if purged:
                     log.info("purged %d finished jobs older than %.0f s", purged, self.config.retention_s)
@@ -181,7 +204,7 @@ class JobRunner:
                 pass
             except Exception:
                 log.exception("purging finished jobs failed; trying again later")
-            await asyncio.sleep(min(PURGE_EVERY_S, self.config.retention_s))
+            await asyncio.sleep(min(PURGE_EVERY_S, self.config.retention_s, self.config.max_wait_s / 4))
 
     # ---------------------------------------------------------------- one job
 
@@ -211,8 +234,9 @@ class JobRunner:
         try:
             self.runtime.submit(state)
         except (Overloaded, Unavailable) as err:
-            log.info("job %s: not started now (%s); back to the queue", job.job_id, err.message)
-            await self._release(job)
+            wait = defer_s(job.refusals, err.retry_after_s)
+            log.info("job %s: not started now (%s); back to the queue for %.2f s", job.job_id, err.message, wait)
+            await self._release(job, wait)
             return
         except ServingError as err:
             await self._end(job, len(stored), [], _failed_state(err), None, err.message)
@@ -309,9 +333,9 @@ class JobRunner:
             self._notify(job.job_id)
             return
 
-    async def _release(self, job: JobRecord) -> None:
+    async def _release(self, job: JobRecord, defer: float = 0.0) -> None:
         try:
-            await self.store.call("release", job.job_id, job.fence)
+            await self.store.call("release", job.job_id, job.fence, defer)
         except (Unavailable, Fenced):
             pass  # the lease expires instead
         self._notify(job.job_id)

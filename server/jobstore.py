@@ -14,8 +14,16 @@ Both backends speak the same SQL, on the connection handling of server/sqlstore.
 every call runs on the store's own thread, in order; the event loop only awaits a
 future. A store that cannot be reached answers `Unavailable`.
 
-Time is the frontends' wall clock (time.time()); frontends sharing PostgreSQL
-must agree on it to well within a lease.
+Leases run on the database's clock on PostgreSQL (frontends' own clocks may
+disagree), on this machine's for a SQLite file. Claims take turns across
+tenants: a tenant's k-th waiting job goes after every other tenant's
+(k - running)-th, so one tenant's backlog never queues another's first job.
+
+What an acknowledged job survives: on PostgreSQL, what its commit settings
+promise (by default a power loss). On SQLite (WAL, synchronous=NORMAL) a crash
+of the server or of every process on the machine; a power loss or an operating
+system crash can lose the last acknowledged jobs and tokens — use PostgreSQL
+where that matters.
 
 This module is over 300 lines because it is one schema and its two dialects;
 splitting the SQL from the calls that use it would only scatter the invariants.
@@ -38,7 +46,9 @@ MAX_TOKENS_PER_READ = 4096
 
 _COLUMNS = ("job_id", "tenant", "idempotency_key", "fingerprint", "model", "request", "prompt_ids", "sampling",
             "cls", "deadline", "state", "attempts", "lease_owner", "lease_expires", "fence", "tokens",
-            "finish_reason", "error", "created", "finished")
+            "finish_reason", "error", "created", "finished", "not_before", "refusals")
+# What a list shows: everything but the request itself (megabytes at worst), read only to run a job.
+_LISTED = tuple(c for c in _COLUMNS if c not in ("request", "prompt_ids", "sampling"))
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -61,7 +71,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     finish_reason TEXT,
     error TEXT,
     created {real} NOT NULL,
-    finished {real}
+    finished {real},
+    not_before {real},                  -- a queued job refused for now is not claimed before this (Unix time)
+    refusals INTEGER NOT NULL DEFAULT 0 -- times the scheduler refused it for now (its backoff, not attempts)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (tenant, idempotency_key) WHERE idempotency_key <> '';
 CREATE INDEX IF NOT EXISTS jobs_claimable ON jobs (state, created);
@@ -102,6 +114,8 @@ class JobRecord:
     error: str | None
     created: float
     finished: float | None
+    not_before: float | None = None
+    refusals: int = 0
 
     @property
     def final(self) -> bool:
@@ -135,6 +149,26 @@ class JobStore(SqlStore):
             self._script(_SCHEMA.format(blob="BYTEA", real="DOUBLE PRECISION"))
         else:
             self._script(_SCHEMA.format(blob="BLOB", real="REAL"))
+        self._add_columns("jobs", {"not_before": "DOUBLE PRECISION" if self.postgres else "REAL",
+                                   "refusals": "INTEGER NOT NULL DEFAULT 0"})
+
+    def _add_columns(self, table: str, columns: dict[str, str]) -> None:
+        """Columns added since a store was created (an older server's file or database)."""
+        if self.postgres:
+            for name, kind in columns.items():
+                self._x(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {kind}")
+            return
+        have = {row[1] for row in self._x(f"PRAGMA table_info({table})").fetchall()}
+        for name, kind in columns.items():
+            if name not in have:
+                self._x(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+
+    def _now(self) -> float:
+        """The lease clock: PostgreSQL's, shared by every frontend on it (their own clocks may disagree);
+        this machine's for a SQLite file (every frontend on it is on this machine)."""
+        if self.postgres:
+            return float(self._x("SELECT EXTRACT(EPOCH FROM clock_timestamp())").fetchone()[0])
+        return time.time()
 
     # ------------------------------------------------ submissions and callers (store's thread)
 
@@ -149,7 +183,7 @@ class JobStore(SqlStore):
             self._x("INSERT INTO jobs (job_id, tenant, idempotency_key, fingerprint, model, request, prompt_ids, sampling, "
                     "cls, deadline, state, created) VALUES (?,?,?,?,?,?,?,?,?,?,'queued',?)",
                     (job.job_id, job.tenant, job.idempotency_key, job.fingerprint, job.model, job.request,
-                     json.dumps(job.prompt_ids), json.dumps(job.sampling), job.cls, job.deadline, time.time()))
+                     json.dumps(job.prompt_ids), json.dumps(job.sampling), job.cls, job.deadline, self._now()))
         except Exception as err:
             # Another frontend recorded the same key between our look and our write.
             found = self._by_key(job.tenant, job.idempotency_key) if job.idempotency_key else None
@@ -184,7 +218,7 @@ class JobStore(SqlStore):
     def cancel(self, tenant: str, job_id: str) -> JobRecord:
         """Cancel a queued or running job (its owner finds out at its next write); a finished job is left as is."""
         self._x("UPDATE jobs SET state='cancelled', finish_reason='cancelled', finished=?, lease_owner=NULL "
-                "WHERE tenant=? AND job_id=? AND state IN ('queued','running')", (time.time(), tenant, job_id))
+                "WHERE tenant=? AND job_id=? AND state IN ('queued','running')", (self._now(), tenant, job_id))
         return self.get(tenant, job_id)
 
     def list(self, tenant: str, states: tuple[str, ...], after: tuple[float, str] | None, limit: int) -> list[JobRecord]:
@@ -196,26 +230,38 @@ class JobStore(SqlStore):
         if after is not None:
             where.append("(created > ? OR (created = ? AND job_id > ?))")
             args.extend((after[0], after[0], after[1]))
-        rows = self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE {' AND '.join(where)} "
+        rows = self._x(f"SELECT {', '.join(_LISTED)} FROM jobs WHERE {' AND '.join(where)} "
                        "ORDER BY created, job_id LIMIT ?", (*args, limit)).fetchall()
-        return [_record(r) for r in rows]
+        return [_record(r, _LISTED) for r in rows]
 
     # ------------------------------------------------ runners (store's thread)
 
     def claim(self, owner: str, lease_s: float, limit: int, max_attempts: int) -> list[JobRecord]:
-        """Take up to `limit` queued jobs, and running jobs whose lease expired, for `owner`.
+        """Take up to `limit` waiting jobs for `owner`: queued ones (not deferred), and running ones
+        whose lease expired. Tenants take turns (see the module's docstring).
 
         Jobs past their deadline end `expired` here instead; jobs claimed `max_attempts` times
         already end `failed` (something about them keeps killing frontends).
         """
-        now = time.time()
-        lock = " FOR UPDATE SKIP LOCKED" if self.postgres else ""
         claimed = []
         with self._transaction():
-            rows = self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE state='queued' OR "
-                           f"(state='running' AND lease_expires < ?) ORDER BY created LIMIT ?{lock}",
-                           (now, limit)).fetchall()
-            for job in map(_record, rows):
+            now = self._now()
+            ready = ("(state='queued' AND (not_before IS NULL OR not_before <= ?)) "
+                     "OR (state='running' AND lease_expires < ?)")
+            order = self._x(
+                f"WITH busy AS (SELECT tenant, COUNT(*) AS n FROM jobs WHERE state='running' AND lease_expires >= ? "
+                f"GROUP BY tenant), ready AS (SELECT job_id, tenant, created FROM jobs WHERE {ready}) "
+                "SELECT ready.job_id FROM ready LEFT JOIN busy ON busy.tenant = ready.tenant "
+                "ORDER BY ROW_NUMBER() OVER (PARTITION BY ready.tenant ORDER BY ready.created, ready.job_id) "
+                "+ COALESCE(busy.n, 0), ready.created, ready.job_id LIMIT ?", (now, now, now, limit)).fetchall()
+            ids = [r[0] for r in order]
+            if not ids:
+                return []
+            lock = " FOR UPDATE SKIP LOCKED" if self.postgres else ""
+            rows = self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE job_id IN ({','.join('?' * len(ids))}) "
+                           f"AND ({ready}){lock}", (*ids, now, now)).fetchall()
+            found = {job.job_id: job for job in map(_record, rows)}
+            for job in (found[j] for j in ids if j in found):
                 if job.deadline is not None and job.deadline <= now:
                     self._x("UPDATE jobs SET state='expired', finish_reason='deadline', error=?, finished=?, "
                             "lease_owner=NULL, fence=fence+1 WHERE job_id=? AND fence=?",
@@ -231,6 +277,19 @@ class JobStore(SqlStore):
                     claimed.append(job.job_id)
         return [self._get_any(j) for j in claimed]
 
+    def expire_waiting(self, max_wait_s: float) -> int:
+        """End queued jobs that waited past their deadline, or more than `max_wait_s` since submission."""
+        with self._transaction():
+            now = self._now()
+            n = self._x("UPDATE jobs SET state='expired', finish_reason='deadline', error=?, finished=?, fence=fence+1 "
+                        "WHERE state='queued' AND deadline IS NOT NULL AND deadline <= ?",
+                        ("the job's deadline passed before it started", now, now)).rowcount
+            n += self._x("UPDATE jobs SET state='expired', finish_reason='deadline', error=?, finished=?, fence=fence+1 "
+                         "WHERE state='queued' AND created < ?",
+                         (f"the job waited more than {max_wait_s:g} s in the queue without finishing "
+                          "(the server's --job-max-wait-s)", now, now - max_wait_s)).rowcount
+        return n
+
     def _get_any(self, job_id: str) -> JobRecord:
         return _record(self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE job_id=?", (job_id,)).fetchone())
 
@@ -239,7 +298,7 @@ class JobStore(SqlStore):
         with self._transaction():
             self._owned_write("UPDATE jobs SET tokens=tokens+?, lease_expires=? WHERE job_id=? AND fence=? "
                               "AND state='running' AND tokens=?",
-                              (len(tokens), time.time() + lease_s, job_id, fence, start))
+                              (len(tokens), self._now() + lease_s, job_id, fence, start))
             self._insert_tokens(job_id, start, tokens)
 
     def finish(self, job_id: str, fence: int, start: int, tokens: list[tuple[int, str]], state: str,
@@ -250,24 +309,31 @@ class JobStore(SqlStore):
         with self._transaction():
             self._owned_write("UPDATE jobs SET tokens=tokens+?, state=?, finish_reason=?, error=?, finished=?, "
                               "lease_owner=NULL WHERE job_id=? AND fence=? AND state='running' AND tokens=?",
-                              (len(tokens), state, finish_reason, error, time.time(), job_id, fence, start))
+                              (len(tokens), state, finish_reason, error, self._now(), job_id, fence, start))
             self._insert_tokens(job_id, start, tokens)
 
     def renew(self, leases: list[tuple[str, int]], lease_s: float) -> list[str]:
         """Extend the leases (job id, fence) still held; returns the job ids whose lease is lost."""
         lost = []
         with self._transaction():
+            expires = self._now() + lease_s
             for job_id, fence in leases:
                 n = self._x("UPDATE jobs SET lease_expires=? WHERE job_id=? AND fence=? AND state='running'",
-                            (time.time() + lease_s, job_id, fence)).rowcount
+                            (expires, job_id, fence)).rowcount
                 if n == 0:
                     lost.append(job_id)
         return lost
 
-    def release(self, job_id: str, fence: int) -> None:
-        """Give a job back to the queue (shutting down, or the scheduler refused it for now); tokens stay."""
-        self._owned_write("UPDATE jobs SET state='queued', lease_owner=NULL, lease_expires=NULL "
-                          "WHERE job_id=? AND fence=? AND state='running'", (job_id, fence))
+    def release(self, job_id: str, fence: int, defer_s: float = 0.0) -> None:
+        """Give a job back to the queue; tokens stay, and the claim is not counted as an attempt (nothing
+        about the job failed). `defer_s` > 0: the scheduler refused it for now (a quota, a full queue, no
+        worker); it is not claimed again for that long, and its refusals are counted for the backoff."""
+        with self._transaction():
+            now = self._now()
+            self._owned_write("UPDATE jobs SET state='queued', lease_owner=NULL, lease_expires=NULL, "
+                              "attempts=attempts-1, not_before=?, refusals=refusals+? "
+                              "WHERE job_id=? AND fence=? AND state='running'",
+                              (now + defer_s if defer_s > 0 else None, 1 if defer_s > 0 else 0, job_id, fence))
 
     def _owned_write(self, sql: str, args: tuple) -> None:
         if self._x(sql, args).rowcount != 1:
@@ -286,15 +352,15 @@ class JobStore(SqlStore):
 
     def purge(self, retention_s: float) -> int:
         """Forget jobs that finished more than `retention_s` ago, with their tokens."""
-        cutoff = time.time() - retention_s
         with self._transaction():
+            cutoff = self._now() - retention_s
             self._x("DELETE FROM job_tokens WHERE job_id IN (SELECT job_id FROM jobs WHERE finished < ?)", (cutoff,))
             return self._x("DELETE FROM jobs WHERE finished < ?", (cutoff,)).rowcount
 
 
-def _record(row) -> JobRecord | None:
+def _record(row, columns: tuple[str, ...] = _COLUMNS) -> JobRecord | None:
     if row is None:
         return None
-    values = dict(zip(_COLUMNS, row))
+    values = {"request": b"", "prompt_ids": "", "sampling": ""} | dict(zip(columns, row))
     values["request"] = bytes(values["request"])
     return JobRecord(**values)

@@ -126,6 +126,70 @@ def test_released_jobs_return_to_the_queue_with_their_tokens(stores):
     assert again.tokens == 1 and again.state == "running"
 
 
+def test_a_job_refused_for_now_waits_out_its_backoff_and_is_not_counted_as_an_attempt(stores):
+    a, b = stores
+    a.submit(new_job("j1"))
+    for _ in range(4):  # refused again and again (a quota, a full queue): never ends failed
+        (job,) = a.claim("frontend-a", LEASE_S, 10, 2)
+        a.release("j1", job.fence, 0.2)
+        assert b.claim("frontend-b", LEASE_S, 10, 2) == []  # not claimed during its backoff
+        time.sleep(0.25)
+    (job,) = b.claim("frontend-b", LEASE_S, 10, 2)
+    assert (job.state, job.attempts, job.refusals) == ("running", 1, 4)
+
+
+def test_tenants_take_turns_at_claims(stores):
+    a, _ = stores
+    for i in range(6):
+        a.submit(new_job(f"a{i}", tenant="a"))
+    a.submit(new_job("b0", tenant="b"))
+    a.submit(new_job("b1", tenant="b"))
+    a.submit(new_job("c0", tenant="c"))
+    first = [j.job_id for j in a.claim("frontend-a", LEASE_S, 3, 5)]
+    assert first == ["a0", "b0", "c0"]  # each tenant's oldest, though a's backlog came first
+    # b has one running, a has one running: a1 and b1 are next, then a's backlog.
+    assert [j.job_id for j in a.claim("frontend-a", LEASE_S, 3, 5)] == ["a1", "b1", "a2"]
+
+
+def test_queued_jobs_expire_after_the_longest_wait_or_their_deadline(stores):
+    a, _ = stores
+    a.submit(new_job("old"))
+    a.submit(new_job("due", deadline=time.time() + 0.05))
+    time.sleep(0.1)
+    a.submit(new_job("new"))
+    assert a.expire_waiting(0.08) == 2
+    assert [a.get("acme", j).state for j in ("old", "due", "new")] == ["expired", "expired", "queued"]
+    assert "waited more than" in a.get("acme", "old").error
+
+
+def test_a_list_does_not_read_the_stored_requests(stores):
+    a, _ = stores
+    a.submit(new_job("j1"))
+    (listed,) = a.list("acme", (), None, 10)
+    assert listed.job_id == "j1" and listed.request == b"" and a.get("acme", "j1").request == b"\x00request"
+
+
+def test_a_store_made_by_an_older_server_gains_the_new_columns(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE jobs (job_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, idempotency_key TEXT NOT NULL, "
+               "fingerprint TEXT NOT NULL, model TEXT NOT NULL, request BLOB NOT NULL, prompt_ids TEXT NOT NULL, "
+               "sampling TEXT NOT NULL, cls INTEGER NOT NULL, deadline REAL, state TEXT NOT NULL, "
+               "attempts INTEGER NOT NULL DEFAULT 0, lease_owner TEXT, lease_expires REAL, "
+               "fence INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0, finish_reason TEXT, error TEXT, "
+               "created REAL NOT NULL, finished REAL)")
+    db.execute("INSERT INTO jobs (job_id, tenant, idempotency_key, fingerprint, model, request, prompt_ids, sampling, "
+               "cls, state, created) VALUES ('j1','acme','','fp','tiny',x'00','[1]','{}',2,'queued',1.0)")
+    db.commit()
+    db.close()
+    store = JobStore(str(path))
+    try:
+        (job,) = store.claim("frontend-a", LEASE_S, 10, 5)
+        assert (job.job_id, job.refusals, job.not_before) == ("j1", 0, None)
+    finally:
+        store.close()
+
+
 def test_lists_are_tenant_scoped_paginated_and_filtered(stores):
     a, _ = stores
     for i in range(5):

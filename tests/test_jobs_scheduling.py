@@ -1,0 +1,149 @@
+"""How durable jobs wait: a refusal for now is a wait (never a failed attempt), tenants take turns,
+nothing waits for ever, and what is stored is what the server understood.
+
+Real servers on the simulated engine (the queueing is the frontend's and the store's, not the
+model's), a SQLite job store, tenants from a keys file.
+"""
+
+import base64
+import json
+import sqlite3
+import time
+
+import grpc
+import pytest
+
+from tokenline.client import Client
+from tokenline.client.errors import TokenlineError
+from tokenline.server.auth import hash_key
+from tokenline.v1 import tokenline_pb2 as pb
+from tests.jobs_support import watch_to_end
+from tests.support import ServerProcess, wait_until
+
+KEY_A, KEY_B = "tl-key-of-a", "tl-key-of-b"
+
+
+def keys(path, **quotas):
+    path.write_text(json.dumps({"tenants": {
+        "a": {"keys": [hash_key(KEY_A)], **quotas},
+        "b": {"keys": [hash_key(KEY_B)]},
+    }}))
+    return path
+
+
+def test_a_job_refused_by_its_tenants_quota_waits_and_then_runs_once(tmp_path):
+    path = keys(tmp_path / "keys.json", max_concurrent=1)
+    db = str(tmp_path / "jobs.sqlite3")
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--sim-step-ms", "20", "--api-keys", str(path),
+                           "--job-store", db, "--idempotency-db", "off").start()
+    try:
+        with Client(server.address, api_key=KEY_A) as a:
+            stream = a.generate("holds the tenant's only slot", max_tokens=1500, ignore_eos=True)
+            next(iter(stream))
+            job = a.submit_job("waits its turn", max_tokens=16, ignore_eos=True)
+            # Refused again and again while the stream runs: more refusals than --job-attempts allows.
+            assert wait_until(lambda: server.output().count(f"job {job.job_id}: not started now") >= 6, timeout=60)
+            assert a.get_job(job.job_id).state == "queued"
+            stream.cancel()
+            chunks = watch_to_end(a, job.job_id)
+            done = a.get_job(job.job_id)
+        assert sum(len(c.token_ids) for c in chunks) == 16
+        assert done.attempts == 1  # the refused claims were not attempts
+        assert "limit is 1" in server.output()
+    finally:
+        server.stop()
+
+
+def test_one_tenants_backlog_does_not_queue_another_tenants_job(tmp_path):
+    path = keys(tmp_path / "keys.json")
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--sim-step-ms", "5", "--api-keys", str(path),
+                           "--job-store", str(tmp_path / "jobs.sqlite3"), "--jobs-running", "2",
+                           "--idempotency-db", "off").start()
+    try:
+        with Client(server.address, api_key=KEY_A) as a, Client(server.address, api_key=KEY_B) as b:
+            backlog = [a.submit_job(f"a's job {i}", max_tokens=40, ignore_eos=True).job_id for i in range(30)]
+            late = b.submit_job("b's only job", max_tokens=40, ignore_eos=True)
+            watch_to_end(b, late.job_id)
+            done_of_a = sum(a.get_job(j).state == "succeeded" for j in backlog)
+        # b's job was submitted after all 30 of a's; taking turns, it runs with a's next ones.
+        assert done_of_a <= 6, f"{done_of_a} of a's 30 jobs finished before b's one job"
+    finally:
+        server.stop()
+
+
+def test_a_job_that_waits_longer_than_the_servers_limit_expires(tmp_path):
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--sim-step-ms", "20",
+                           "--job-store", str(tmp_path / "jobs.sqlite3"), "--jobs-running", "1",
+                           "--job-max-wait-s", "2", "--idempotency-db", "off").start()
+    try:
+        with Client(server.address) as client:
+            first = client.submit_job("takes the only runner", max_tokens=400, ignore_eos=True)
+            second = client.submit_job("waits behind it", max_tokens=4, ignore_eos=True)
+            end = list(client.watch_job(second.job_id, timeout=60))[-1]
+            assert (end.state, end.finish_reason) == ("expired", "deadline")
+            assert "--job-max-wait-s" in client.get_job(second.job_id).error
+            client.cancel_job(first.job_id)
+    finally:
+        server.stop()
+
+
+def test_fields_the_server_does_not_know_are_not_stored_with_a_job(tmp_path):
+    db = str(tmp_path / "jobs.sqlite3")
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--job-store", db, "--idempotency-db", "off").start()
+    try:
+        inner = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=2)).SerializeToString()
+        unknown = _varint(999 << 3 | 2) + _varint(1 << 20) + b"\x00" * (1 << 20)  # field 999, 1 MiB
+        raw = b"\x0a" + _varint(len(inner) + len(unknown)) + inner + unknown  # SubmitJobRequest.request = 1
+        with grpc.insecure_channel(server.address) as channel:
+            submit = channel.unary_unary("/tokenline.v1.Tokenline/SubmitJob", request_serializer=lambda b: b,
+                                         response_deserializer=pb.Job.FromString)
+            job = submit(raw, timeout=30)
+        with sqlite3.connect(db) as conn:
+            (size,) = conn.execute("SELECT length(request) FROM jobs WHERE job_id=?", (job.job_id,)).fetchone()
+        assert size < 100
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("job_id", ["abc\x00def", "x" * 100_000, "A" * 32])
+def test_job_ids_the_server_never_gave_are_no_job(tmp_path_factory, job_id):
+    server = _plain_server(tmp_path_factory)
+    with Client(server.address) as client, pytest.raises(TokenlineError) as info:
+        client.get_job(job_id)
+    assert info.value.code.name == "NOT_FOUND" and len(info.value.details) < 200
+
+
+@pytest.mark.parametrize("cursor", ["[1e400, \"a\"]", "[1" + "0" * 400 + ", \"a\"]", "[1.0, \"a\\u0000b\"]"])
+def test_page_tokens_the_server_never_gave_are_invalid(tmp_path_factory, cursor):
+    token = base64.urlsafe_b64encode(cursor.encode()).decode()
+    server = _plain_server(tmp_path_factory)
+    with Client(server.address) as client, pytest.raises(TokenlineError) as info:
+        client.list_jobs(page_token=token)
+    assert info.value.code.name == "INVALID_ARGUMENT" and "page_token" in info.value.details
+
+
+_SERVERS = {}
+
+
+def _plain_server(tmp_path_factory):
+    if "plain" not in _SERVERS:
+        db = str(tmp_path_factory.mktemp("plain") / "jobs.sqlite3")
+        _SERVERS["plain"] = ServerProcess("--engine", "sim", "--model", "tiny", "--job-store", db,
+                                          "--idempotency-db", "off").start()
+    return _SERVERS["plain"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_plain():
+    yield
+    for s in _SERVERS.values():
+        s.stop()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
