@@ -20,7 +20,10 @@ request is about to miss its deadline. So a worker is added when
   *before* it is needed (the measured start-up time says how long before),
 
 and removed only when it has been idle for `cooldown_s` and the model has more
-than `min_workers` (and more than the warm reserve needs). Workers still
+than `min_workers` (and more than the warm reserve needs). With `min_workers`
+0 the last idle worker goes too; the scheduler then queues the model's
+requests (it is told the model starts on demand) and the first one queued
+starts a worker at once. Workers still
 starting count as capacity already asked for, so one burst does not start a
 worker per check; and after a change nothing more happens for
 `settle_s`, so the queue can show what the change did (no flapping).
@@ -111,6 +114,8 @@ class Autoscaler:
         if total < cfg.min_workers:
             out = [AddWorker(f"{total} workers, fewer than the minimum {cfg.min_workers}")
                    for _ in range(cfg.min_workers - total)]
+        elif total == 0 and p.queued:  # scaled to zero and work came: at once, whatever the settle time
+            out = [AddWorker(f"{p.queued} queued requests and no worker")]
         elif add_reason and total < cfg.max_workers and p.starting == 0 and now - self.last_add >= cfg.settle_s:
             out = [AddWorker(add_reason)]
         elif not add_reason and p.queued == 0 and now - self.last_add >= cfg.settle_s:

@@ -85,6 +85,8 @@ class Supervisor:
         self.scale_decisions: collections.Counter[tuple[str, str]] = collections.Counter()  # (model, "add"|"remove")
         self.cpu_sets = cpu_sets  # CPUs to bind active local workers to, one set each (empty: the OS places them)
         self.cpu_set_of: dict[int, int] = {}  # worker -> index into cpu_sets, while it is active
+        self._spawned_at: dict[int, float] = {}
+        self.startup_s: dict[str, float] = {}  # model -> how long its last worker took from spawn to ready
 
     def start(self) -> None:
         if self.watchdog is not None:
@@ -185,6 +187,7 @@ class Supervisor:
         wid = self._next_id
         self._next_id += 1
         self._model_of[wid] = model
+        self._spawned_at[wid] = time.monotonic()
         if standby:
             self._standby_ids.add(wid)
         handle = self.factory(
@@ -210,8 +213,16 @@ class Supervisor:
             self.start_errors[self._model_of.get(wid, "?")] = msg.message
             log.error("worker %d failed to start: %s", wid, msg.message)
 
+    def scales_from_zero(self, model: str) -> bool:
+        """The autoscaler may leave `model` without workers and start one when work comes."""
+        scaler = self.autoscalers.get(model)
+        return scaler is not None and scaler.config.min_workers == 0 and model not in self.start_errors
+
     def _activate(self, wid: int, spec: WorkerSpec) -> None:
         self.specs[wid] = spec
+        spawned = self._spawned_at.pop(wid, None)
+        if spawned is not None:
+            self.startup_s[spec.model] = time.monotonic() - spawned
         self._pin(wid)
         log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, %s, attention kernel %s, self-check %s",
                  wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",

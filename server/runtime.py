@@ -94,6 +94,8 @@ class Runtime:
         return any(s.model == model for s in self.specs.values())
 
     def _worker_ready(self, spec: WorkerSpec) -> None:
+        if self.workers.scales_from_zero(spec.model):  # with no worker left, requests queue for a start this long
+            self.scheduler.on_demand[spec.model] = self.workers.startup_s.get(spec.model, 0.0)
         self._handle(self.scheduler.add_worker(spec))
 
     def _worker_lost(self, wid: int) -> None:
@@ -112,7 +114,8 @@ class Runtime:
         return max(view.estimator.predict_s(view.spec.max_seqs, view.spec.prefill_token_budget), view.spec.full_step_s)
 
     def _capacity_changed(self) -> None:
-        serving = all(self.model_loaded(m) for m in self.worker_configs)
+        # A model scaled to zero serves: its requests queue and start a worker.
+        serving = all(self.model_loaded(m) or self.workers.scales_from_zero(m) for m in self.worker_configs)
         _run_hooks(self.on_capacity, serving)
 
     # ------------------------------------------------------------- requests

@@ -150,6 +150,17 @@ def test_below_the_minimum_workers_are_asked_for_at_once():
     assert [type(d) for d in scaler.decide(0.0, pressure())] == [AddWorker] * 3
 
 
+def test_scaled_to_zero_the_first_queued_request_starts_a_worker_at_once():
+    scaler = Autoscaler(AutoscaleConfig(min_workers=0, max_workers=2, cooldown_s=10, settle_s=5))
+    assert scaler.decide(0.0, pressure([busy(0)], queued=3, age=5.0)) != []  # an add: the settle clock starts
+    out = scaler.decide(60.0, pressure([idle(0, since=40.0)]))
+    assert out == [RemoveWorker(0, out[0].reason)]  # min 0: the last idle worker goes
+    assert scaler.decide(60.5, pressure()) == []  # nothing queued, nothing started
+    out = scaler.decide(61.0, pressure(queued=1))  # well inside the settle time, and the request is young
+    assert [type(d) for d in out] == [AddWorker] and "no worker" in out[0].reason
+    assert scaler.decide(61.5, pressure(queued=4, starting=1)) == []  # the start under way is the answer
+
+
 @pytest.mark.parametrize("kwargs, word", [
     ({"min_workers": -1}, "min_workers"),
     ({"min_workers": 3, "max_workers": 2}, "max_workers"),

@@ -24,6 +24,7 @@ class AdmissionControl:
     config: SchedulerConfig
     models: dict[str, ModelState]
     workers: dict[int, WorkerView]
+    on_demand: dict[str, float]  # models whose workers start on demand -> seconds a start takes
     entries: dict[str, Entry]
     _tenant_inflight: Counter[str]  # queued + running requests per tenant
     _tenant_queued_tokens: Counter[str]  # prompt + max new tokens queued per tenant
@@ -32,9 +33,12 @@ class AdmissionControl:
         if e.key in self.entries:
             return Refuse(e.key, Refusal.DUPLICATE, f"request id {e.key!r} is already in flight")
         model = self.models.get(e.model)
-        if model is None or not model.workers:
+        if e.model in self.on_demand:  # a worker starts when work queues (the autoscaler's)
+            model = self._model(e.model)
+        elif model is None or not model.workers:
             return Refuse(e.key, Refusal.NO_WORKER, f"no worker is serving model {e.model!r} right now", 1.0)
-        if all(blocks_at_most(e, self.workers[w].spec.block_size) > self.workers[w].spec.kv_blocks_total - self.config.kv_watermark_blocks for w in model.workers):
+        specs = [self.workers[w].spec for w in model.workers] or [s for s in (model.last_spec,) if s is not None]
+        if specs and all(blocks_at_most(e, s.block_size) > s.kv_blocks_total - self.config.kv_watermark_blocks for s in specs):
             return Refuse(e.key, Refusal.TOO_LARGE, "prompt plus max_tokens needs more KV cache than a worker has; lower max_tokens or shorten the prompt")
         cls_cfg = self.config.for_class(e.cls)
         queue = model.queues[e.cls]
@@ -102,6 +106,8 @@ class AdmissionControl:
         ahead = len(model.queues[TrafficClass.INTERACTIVE])
         if e.cls == TrafficClass.BULK:
             ahead += len(model.queues[TrafficClass.BULK])
+        if not free_at and not model.workers and e.model in self.on_demand:
+            return now + self.on_demand[e.model]  # a worker is started for it
         if not free_at:
             return math.inf
         if ahead < len(free_at):

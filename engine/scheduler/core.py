@@ -78,6 +78,9 @@ class Scheduler(AdmissionControl):
         self._tenant_inflight: Counter[str] = Counter()
         self._tenant_queued_tokens: Counter[str] = Counter()
         self._decided_at: dict[str, float] = {}  # model -> when its dispatch rule was last applied
+        # Models whose workers start on demand (autoscaled from zero) -> seconds a start takes: with no
+        # worker their requests queue (the queue starts one) instead of being refused.
+        self.on_demand: dict[str, float] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -91,6 +94,7 @@ class Scheduler(AdmissionControl):
                                                   isolate_after_crashes=self.config.isolate_after_crashes,
                                                   step_ratio=old.step_ratio if old is not None else 1.0)
         model = self._model(spec.model)
+        model.last_spec = spec
         if spec.worker_id not in model.workers:
             model.workers.append(spec.worker_id)
         return self._dispatch(spec.model)

@@ -69,6 +69,7 @@ class WorkerView:
 class ModelState:
     queues: dict[TrafficClass, ClassQueue]
     workers: list[int] = field(default_factory=list)
+    last_spec: WorkerSpec | None = None  # the last worker that joined (what a request must fit while none runs)
     # Integral over time of "no worker of this model has room" (for the queueing split).
     no_capacity_total: float = 0.0
     no_capacity_since: float | None = None
