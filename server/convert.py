@@ -90,11 +90,16 @@ class CheckedRequest:
     tools: ToolSpec | None = None  # the chat's tools and tool choice
 
 
+def clip(text: str, limit: int = 100) -> str:
+    """A caller's string as echoed in an error message: never long enough to break a client's header limit."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def pick_model(name: str, models: dict[str, ServedModel], default: str) -> ServedModel:
     model = models.get(name or default)
     if model is None:
         known = ", ".join(sorted(models)) or "none"
-        raise ModelNotFound(f"unknown model {name!r}; this server serves: {known}")
+        raise ModelNotFound(f"unknown model {clip(name)!r}; this server serves: {known}")
     return model
 
 
@@ -125,6 +130,10 @@ def check(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model
     request_id = _request_id(req.request_id)
     cls = _traffic_class(req.traffic_class)
     sampling = _sampling(req.sampling if req.HasField("sampling") else pb.SamplingParams(), limits, model)
+    most = sampling.max_tokens or limits.max_tokens  # unset: the server's limit bounds every answer
+    if req.resume_from_index > most:
+        raise InvalidRequest(f"resume_from_index {req.resume_from_index} is past the end of any answer to this request "
+                             f"(at most {most} tokens); resume from the index after the last token you received")
     spec = tool_spec(req, model)
     schema = tools.constraint(spec)
     if schema is not None:  # REQUIRED or a named FUNCTION: the calls are a structured output

@@ -47,6 +47,9 @@ BAD_REQUESTS = {
     "unknown traffic class": (pb.GenerateRequest(text="hi", traffic_class=7), grpc.StatusCode.INVALID_ARGUMENT, "traffic_class"),
     "request id too long": (pb.GenerateRequest(text="hi", request_id="x" * 200), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     "unknown model": (pb.GenerateRequest(text="hi", model="gpt-17"), grpc.StatusCode.NOT_FOUND, "unknown model"),
+    # 100 KB echoed into grpc-message was RESOURCE_EXHAUSTED in every client with default header limits.
+    "unknown model with a 100 KB name": (pb.GenerateRequest(text="hi", model="m" * 100_000), grpc.StatusCode.NOT_FOUND, "(100000 characters)"),
+    "resume past any answer": (pb.GenerateRequest(text="hi", idempotency_key="k", resume_from_index=2**32 - 1, sampling=pb.SamplingParams(max_tokens=4)), grpc.StatusCode.INVALID_ARGUMENT, "past the end"),
     "resume without an idempotency key": (pb.GenerateRequest(text="hi", resume_from_index=3), grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key"),
     "negative ITL target": (pb.GenerateRequest(text="hi", itl_target_ms=-5), grpc.StatusCode.INVALID_ARGUMENT, "itl_target_ms"),
     "ITL target not a number": (pb.GenerateRequest(text="hi", itl_target_ms=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "itl_target_ms"),
