@@ -16,12 +16,15 @@ passes (what grpc core does on the native port), and errors sent in trailers whe
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import ipaddress
 import logging
 import mimetypes
 import pathlib
 import socket
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import grpc
 from sonora import protocol
@@ -105,6 +108,10 @@ class WebGateway(grpcASGI):
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
+        if method == "POST":
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                return await _plain(send, refusal[0], self._cors_headers(scope), refusal[1])
         if self.openai is not None and path.startswith("/v1/"):
             return await self.openai(scope, receive, send)
         handler = self._get_rpc_handler(path)
@@ -121,13 +128,19 @@ class WebGateway(grpcASGI):
 
     async def _call(self, handler: grpc.RpcMethodHandler, scope, receive, send) -> None:
         headers = [(k.decode("latin-1"), v) for k, v in scope["headers"]]
-        timeout = next((protocol.parse_timeout(v) for k, v in headers if k == "grpc-timeout"), None)
-        metadata = [(k, _metadata_value(k, v)) for k, v in headers if k != "grpc-timeout"]
         client = scope.get("client") or ("", 0)
+        try:
+            timeout = next((_grpc_timeout(v) for k, v in headers if k == "grpc-timeout"), None)
+            metadata = [(k, _metadata_value(k, v)) for k, v in headers if k != "grpc-timeout"]
+            bad = None
+        except ValueError as err:
+            timeout, metadata, bad = None, [(k, v.decode("latin-1")) for k, v in headers if k == "content-type"], str(err)
         if not any(k == "host" for k, _ in metadata):  # sonora's context needs it; HTTP/1.1 always sends it
             metadata.append(("host", scope.get("server", ("localhost",))[0]))
         context = WebContext(timeout, metadata, f"ipv4:{client[0]}:{client[1]}")
         reply = _Reply(send, context, self._cors_headers(scope))
+        if bad is not None:
+            return await reply.end(grpc.StatusCode.INVALID_ARGUMENT, bad)
         if handler.request_streaming:
             return await reply.end(grpc.StatusCode.UNIMPLEMENTED, "client streaming is not offered over gRPC-Web")
         request = await self._read_request(receive, context, reply)
@@ -200,6 +213,38 @@ class WebGateway(grpcASGI):
             code, details = grpc.StatusCode.UNKNOWN, "Unexpected error in the server"
         await reply.end(code, details)
 
+    # ------------------------------------------------------------------ who may call
+
+    def _refusal(self, scope, path: str) -> tuple[int, str] | None:
+        """Why a POST is refused before it runs, or None. A browser sends a cross-site "simple" request
+        (a form's content type, no preflight) wherever a page tells it to; these rules keep such a
+        request, and a DNS-rebound one, from running anything:
+        - the content type is the API's own (gRPC-Web, or JSON on /v1/), which no simple request has;
+        - an Origin, when sent, is this server's own or the one --web-cors-origin allows;
+        - on a loopback address, the Host names a loopback address (a rebound name does not)."""
+        headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in (b"content-type", b"origin", b"host")}
+        kind = headers.get("content-type", "").split(";")[0].strip().lower()
+        wanted = ("application/json",) if path.startswith("/v1/") else _GRPC_WEB_TYPES
+        if kind not in wanted:
+            return 415, f"content-type {kind or '(none)'!r} is not accepted here; send {' or '.join(wanted)}"
+        host = headers.get("host", "")
+        if self._loopback and not _is_loopback(_hostname(host)):
+            return 403, (f"Host {host[:100]!r} is not this server's name: it listens on a loopback address, "
+                         "so only localhost, 127.0.0.1 and [::1] name it")
+        origin = headers.get("origin")
+        allowed = self.config.cors_origin
+        if origin is not None and origin != "null" and urlsplit(origin).netloc != host \
+                and allowed != "*" and origin != allowed:
+            return 403, (f"a call from the page at {origin[:100]!r} (another site) is refused; "
+                         "to allow it, start the server with --web-cors-origin set to that origin")
+        if origin == "null" and allowed != "*":
+            return 403, "a call from a page with no origin (a file or a sandbox) is refused"
+        return None
+
+    @property
+    def _loopback(self) -> bool:
+        return _is_loopback(_hostname(self.config.host))
+
     # ------------------------------------------------------------------ page and CORS
 
     async def _file(self, path: str, method: str, send) -> None:
@@ -264,9 +309,13 @@ class _Reply:
 
 
 def _metadata_value(key: str, value: bytes):
-    import base64
-
-    return base64.b64decode(value) if key.endswith("-bin") else value.decode("latin-1")
+    """A header as gRPC metadata: "-bin" values are base64 (padded or not); ValueError if not."""
+    if not key.endswith("-bin"):
+        return value.decode("latin-1")
+    try:
+        return base64.b64decode(value + b"=" * (-len(value) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"header {key[:60]!r} ends in -bin but its value is not base64") from None
 
 
 async def _disconnected(receive) -> None:
@@ -274,9 +323,42 @@ async def _disconnected(receive) -> None:
         pass
 
 
-async def _plain(send, status: int, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [*headers, (b"content-length", b"0")]})
-    await send({"type": "http.response.body", "body": b""})
+async def _plain(send, status: int, headers: list[tuple[bytes, bytes]] = (), text: str = "") -> None:
+    body = (text + "\n").encode() if text else b""
+    kind = [(b"content-type", b"text/plain; charset=utf-8")] if text else []
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, *kind, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+_GRPC_WEB_TYPES = ("application/grpc-web", "application/grpc-web+proto", "application/grpc-web-text",
+                   "application/grpc-web-text+proto")
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+def _is_loopback(name: str) -> bool:
+    if name in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _grpc_timeout(value: bytes) -> float:
+    """grpc-timeout as the gRPC spec writes it (1 to 8 digits, then H M S m u n), in seconds; ValueError otherwise."""
+    text = value.decode("latin-1")
+    if not (2 <= len(text) <= 9 and text[:-1].isdigit() and text[:-1].isascii() and text[-1] in _TIMEOUT_UNITS):
+        raise ValueError(f"grpc-timeout {text[:20]!r} is not a gRPC timeout: 1 to 8 digits and a unit (H, M, S, m, u, n)")
+    return int(text[:-1]) * _TIMEOUT_UNITS[text[-1]]
+
+
+def _hostname(host: str) -> str:
+    """The name in a Host header or a bind address, without port or brackets, lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def load_files(root: pathlib.Path) -> dict[str, tuple[bytes, str]]:

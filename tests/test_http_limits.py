@@ -65,7 +65,7 @@ def test_two_thousand_idle_connections_cost_nobody_else_and_are_closed_on_the_de
 
 def test_a_head_sent_a_byte_at_a_time_is_cut_off(server):
     sock = _connect(server.web_url)
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\nx-slow: " + b"a" * 200
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\nx-slow: " + b"a" * 200
     started = time.monotonic()
     cut = False
     try:
@@ -84,7 +84,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_off(server):
 def test_a_body_that_trickles_gets_408_and_a_body_that_never_ends_does_not_hold_the_door(server):
     sock = _connect(server.web_url)
     body = b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}'
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
     sock.settimeout(0.5)
     answer = b""
@@ -127,3 +127,52 @@ def test_a_full_queue_is_429_with_retry_after_and_a_passed_deadline_is_504(full_
         assert [f.result().status_code for f in running] == [200, 200]
     late = httpx.post(url, json=body | {"max_tokens": 500}, headers={"X-Tokenline-Deadline-Ms": "300"}, timeout=60)
     assert late.status_code == 504 and "deadline" in late.json()["error"]["message"], late.text
+
+
+# ------------------------------------------------------------------ who may call
+
+def _grpc_web(url: str, method: str, body: bytes, **headers) -> httpx.Response:
+    return httpx.post(url + "/tokenline.v1.Tokenline/" + method, content=body, timeout=30,
+                      headers={"content-type": "application/grpc-web+proto", "x-grpc-web": "1", **headers})
+
+
+LIST_MODELS = b"\x00\x00\x00\x00\x00"  # an empty ListModelsRequest, framed
+
+
+@pytest.mark.parametrize("path, headers, status, words", [
+    # What a page on another site can make a browser send without asking first (a "simple" request).
+    ("/tokenline.v1.Tokenline/ListModels", {"content-type": "text/plain", "origin": "http://evil.example"}, 415, "content-type"),
+    ("/v1/completions", {"content-type": "text/plain", "origin": "http://evil.example"}, 415, "application/json"),
+    ("/v1/completions", {"content-type": "application/x-www-form-urlencoded"}, 415, "application/json"),
+    # The API's own content type, but from another site's page (it would have needed --web-cors-origin).
+    ("/tokenline.v1.Tokenline/ListModels", {"content-type": "application/grpc-web+proto", "origin": "http://evil.example"}, 403, "--web-cors-origin"),
+    ("/v1/completions", {"content-type": "application/json", "origin": "http://evil.example"}, 403, "--web-cors-origin"),
+    # A name rebound to 127.0.0.1: the browser thinks it is the attacker's own site.
+    ("/v1/completions", {"content-type": "application/json", "host": "evil.example:80", "origin": "http://evil.example:80"}, 403, "Host"),
+])
+def test_cross_site_and_rebound_calls_are_refused_before_they_run(server, path, headers, status, words):
+    body = LIST_MODELS if "Tokenline" in path else b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}'
+    r = httpx.post(server.web_url + path, content=body, headers=headers, timeout=30)
+    assert r.status_code == status and words in r.text, (r.status_code, r.text)
+
+
+def test_a_page_of_this_server_itself_may_call(server):
+    origin = server.web_url.rstrip("/")
+    r = _grpc_web(server.web_url, "ListModels", LIST_MODELS, origin=origin)
+    assert r.status_code == 200 and r.headers.get("grpc-status", "0") == "0"
+    r = httpx.post(server.web_url + "/v1/completions", timeout=30, headers={"origin": origin},
+                   json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("headers, words", [
+    ({"grpc-timeout": "abc"}, "grpc-timeout"),
+    ({"grpc-timeout": "5Z"}, "grpc-timeout"),
+    ({"grpc-timeout": "123456789S"}, "grpc-timeout"),
+    ({"x-trace-bin": "%%%not base64"}, "base64"),
+])
+def test_malformed_grpc_headers_are_invalid_argument_not_a_server_error(server, headers, words):
+    r = _grpc_web(server.web_url, "ListModels", LIST_MODELS, **headers)
+    assert r.status_code == 200, r.text
+    assert r.headers["grpc-status"] == "3" and words in urllib.parse.unquote(r.headers["grpc-message"])
+    assert "Traceback" not in server.output()
