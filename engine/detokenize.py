@@ -24,7 +24,6 @@ class DecodeStreamPrimedAtACharacter:
     """
 
     _native: Any = None
-    _MAX_UNFINISHED = 32
 
     def __init__(self, ids: list[int] | None = None, skip_special_tokens: bool = False):
         self._ids = list(ids or ())
@@ -39,9 +38,11 @@ class DecodeStreamPrimedAtACharacter:
     def _prime(self, tokenizer: Any) -> Any:
         ids, cut = self._ids, len(self._ids)
         # Back to the last whole character: an unfinished one, or bytes that never make one, decode
-        # to U+FFFD. Bounded: past _MAX_UNFINISHED tokens the rest is stepped (and shown) as it comes.
-        while cut > 0 and len(ids) - cut < self._MAX_UNFINISHED and tokenizer.decode(
-                ids[max(cut - 8, 0):cut], skip_special_tokens=self._skip).endswith("\ufffd"):
+        # to U+FFFD. However far back that is: an uninterrupted stream holds a run of such bytes until
+        # a character follows it, and primed inside the run the native stream would emit the whole
+        # prompt (a bound of 32 tokens leaked it after a longer run). Cost: one short decode per token
+        # of the run, and the run stepped again, as the uninterrupted stream stepped it.
+        while cut > 0 and tokenizer.decode(ids[max(cut - 8, 0):cut], skip_special_tokens=self._skip).endswith("\ufffd"):
             cut -= 1
         stream = self._native(ids=ids[:cut], skip_special_tokens=self._skip)
         for token_id in ids[cut:]:

@@ -46,6 +46,25 @@ def test_a_stream_split_anywhere_shows_the_same_text_as_one_stream(tokenizer):
         assert "stream number" not in rest
 
 
+def test_a_split_inside_a_long_run_of_bytes_that_make_no_character_shows_no_prompt_text(tokenizer):
+    # What a small random model emits: runs of one token, many of them stray UTF-8 bytes. A split
+    # inside a run of more than 32 such tokens leaked the whole prompt into the continuation's text.
+    rng = random.Random(3)
+    prompt = tokenizer.encode("stream 5 about river", add_special_tokens=False).ids
+    vocab = tokenizer.get_vocab()
+    pool = [vocab[c] for c in _byte_level(bytes([0x80, 0xBF, 0xC3, 0xE6, 0xF0, 0x41, 0x20, 0x62]))]
+    pool += [rng.randrange(tokenizer.get_vocab_size()) for _ in range(4)]
+    for _ in range(600):
+        tokens = [t for t in (rng.choice(pool) for _ in range(rng.randrange(2, 40))) for _ in range(rng.randrange(1, 12))]
+        split = rng.randrange(1, len(tokens))
+
+        whole = stream_text(tokenizer, prompt, tokens)
+        rest = stream_text(tokenizer, prompt + tokens[:split], tokens[split:])
+
+        assert stream_text(tokenizer, prompt, tokens[:split]) + rest == whole
+        assert "about river" not in rest
+
+
 def test_a_character_split_between_attempts_arrives_whole_with_the_continuation(tokenizer):
     prompt = tokenizer.encode("The story begins", add_special_tokens=False).ids
     vocab = tokenizer.get_vocab()
