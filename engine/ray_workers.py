@@ -11,7 +11,11 @@ only transport and placement differ.
 
 Loss is seen two ways, whichever comes first: the socket closes (the actor's
 process died, or its node went away), or Ray reports the actor's `run` call
-failed (actor death, node death). Either way `on_exit` is called once, exactly
+failed (actor death, node death). A partitioned node does neither: its actor
+and raylet are there but silent, the socket stays open and Ray has not yet
+declared the node dead. The watchdog sees the silence and calls `kill`, which
+severs our end of the socket at once (the reader then ends) besides asking Ray
+to kill the actor (which cannot reach it until the partition heals). Either way `on_exit` is called once, exactly
 as for a local crash, and the supervisor's crash rules decide what follows.
 Actors are created with `max_restarts=0`: a replacement is a new worker the
 supervisor asks for (and Ray places, on a surviving node if one died), so
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 EXIT_KILLED = -9  # what on_exit reports for an actor we killed (as a SIGKILLed local process reads)
 EXIT_LOST = 1  # an actor that died without a status we can read (process crash, node gone)
 ACCEPT_POLL_S = 0.25  # how often the reader, waiting for the actor to dial in, checks that it still lives
+HANDSHAKE_S = 10.0  # a peer that connects to the dial-back port must finish authenticating within this
 
 
 class RayUnavailable(RuntimeError):
@@ -178,10 +183,19 @@ class RayWorkerHandle:
         self._outbox.put(msg)
 
     def kill(self) -> None:
-        """End the actor at once (Ray kills its process); on_exit follows."""
+        """Give the worker up at once: our end of its socket is closed (so the reader ends and on_exit
+        follows now, even if the actor's node cannot be reached), and Ray is asked to kill the actor."""
         if self.is_alive():
             self._killed = True
+            _sever(self._conn)
+            # Off the caller's thread: on a partition the request may wait for an unreachable node.
+            threading.Thread(target=self._ray_kill, name=f"ray-worker-{self.worker_id}-kill", daemon=True).start()
+
+    def _ray_kill(self) -> None:
+        try:
             self.cluster.ray.kill(self._actor, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - gone already, or the cluster is away: nothing left to do
+            log.info("Ray worker %d: kill not delivered (%s)", self.worker_id, e)
 
     def terminate(self, timeout: float = 10.0) -> int | None:
         """Ask the worker to stop; kill the actor if it has not within `timeout`. Returns its exit code."""
@@ -214,13 +228,22 @@ class RayWorkerHandle:
                     continue
                 sock.settimeout(None)
                 conn = multiprocessing.connection.Connection(sock.detach())
+                # A peer that connects and then says nothing must not hold the port for ever.
+                late = threading.Timer(HANDSHAKE_S, _sever, (conn,))
+                late.start()
                 try:
                     multiprocessing.connection.deliver_challenge(conn, self._authkey)
                     multiprocessing.connection.answer_challenge(conn, self._authkey)
                 except (multiprocessing.AuthenticationError, OSError, EOFError):
-                    log.warning("a connection to worker %d's port failed authentication: ignored", self.worker_id)
+                    log.warning("a connection to worker %d's port failed authentication (or stayed silent "
+                                "for %.0f s): ignored", self.worker_id, HANDSHAKE_S)
                     conn.close()
                     continue
+                finally:
+                    late.cancel()
+                if self._killed:
+                    conn.close()
+                    return None
                 return conn
         finally:
             self._server.close()
@@ -229,6 +252,8 @@ class RayWorkerHandle:
         conn = self._accept()
         if conn is not None:
             self._conn = conn
+            if self._killed:  # killed while it dialled in
+                _sever(conn)
             try:
                 self.placement = self.cluster.ray.get(self._where_ref, timeout=30)
             except Exception:  # noqa: BLE001 - the actor died at once; the read below ends
@@ -257,3 +282,20 @@ class RayWorkerHandle:
     def _write(self) -> None:
         assert self._conn is not None
         feed_connection(self._conn, self._outbox)
+
+
+def _sever(conn: multiprocessing.connection.Connection | None) -> None:
+    """Shut a connection's socket down in both directions: a thread blocked reading or writing it
+    returns at once (EOF / EPIPE), whatever the peer does. The descriptor stays open for its owner to close."""
+    if conn is None:
+        return
+    try:
+        sock = socket.socket(fileno=conn.fileno())
+    except (OSError, ValueError):
+        return  # closed already
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()

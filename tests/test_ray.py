@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
+import time
 
 import pytest
 
@@ -123,6 +126,53 @@ def test_removing_a_node_mid_stream_loses_and_repeats_no_token(cluster, sim_serv
         assert wait_until(lambda: all(m.loaded for m in c.list_models(timeout=5)), timeout=120)
 
 
+def test_a_partitioned_node_is_given_up_on_the_watchdogs_time_and_its_streams_continue_elsewhere(cluster, sim_server):
+    """What a network partition looks like from here: the node's raylet and the worker's actor are there
+    but silent (SIGSTOPped). Nothing closes the worker's socket and Ray does not yet call the node dead;
+    the watchdog must, and then every stream on it continues on a worker that answers."""
+    spare = cluster.add_node(num_cpus=1)  # room for the replacement while the partitioned node holds its CPU
+    cluster.wait_for_nodes()
+    partitioned = []
+    stopped: list[int] = []
+    nodes = {n.node_id: n for n in cluster.worker_nodes_ + [spare]}
+
+    def partition_once(deltas):
+        if partitioned or sum(len(d.token_ids) for d in deltas) < 15:
+            return
+        # The worker running most of the streams now, by the step log; its node and its actor go silent.
+        recent = [json.loads(line) for line in sim_server.step_log.read_text().splitlines()[-40:]]
+        wid = max(recent, key=lambda s: s["batch"])["worker"]
+        node = nodes[placements(sim_server)[wid]]
+        actor_pid = int(re.findall(rf"worker {wid} ready: .* pid (\d+)\)", sim_server.output())[-1])
+        stopped.extend([proc.process.pid for proc in node.all_processes["raylet"]] + [actor_pid])
+        partitioned.append(node)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+
+    try:
+        started = time.monotonic()
+        results = asyncio.run(asyncio.wait_for(stream_all(sim_server.address, 8, on_token=partition_once), 90))
+        ended = time.monotonic()
+        assert partitioned
+        assert [err for _, err in results if err] == []
+        for deltas, _ in results:
+            assert_whole(deltas)
+        assert any(deltas[-1].attempt > 1 for deltas, _ in results), "no stream was on the partitioned node"
+        assert "declared lost" in sim_server.output()
+        # A new request is served (by the survivor or the replacement), not left to its deadline.
+        with Client(sim_server.address) as c:
+            assert len(c.complete(token_ids=[3, 5, 7], max_tokens=8, ignore_eos=True, timeout=60).token_ids) == 8
+        print(f"8 streams done {ended - started:.1f} s after they began, a node partitioned mid-way")
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        for node in partitioned:
+            cluster.remove_node(node)
+
+
 def test_the_real_engine_in_a_ray_actor_answers_as_the_float32_reference_does(cluster):
     from tokenline.engine.models import resolve_model
     from tests.greedy import Float32Judge
@@ -143,3 +193,39 @@ def test_the_real_engine_in_a_ray_actor_answers_as_the_float32_reference_does(cl
     tokens = [t for d in deltas for t in d.token_ids]
     assert len(tokens) == 24
     assert judge.violations(prompt, tokens) == []
+
+
+def test_a_peer_that_connects_to_the_dial_back_port_and_says_nothing_does_not_hold_it(monkeypatch):
+    """The port a worker's actor dials back to: a silent connection is dropped after the handshake
+    limit, and the actor that dials in next is accepted (it waited for ever before)."""
+    import multiprocessing.connection
+    import socket
+    import threading
+    import types
+
+    from tokenline.engine import ray_workers
+
+    monkeypatch.setattr(ray_workers, "HANDSHAKE_S", 1.0)
+    never_done = types.SimpleNamespace(wait=lambda refs, timeout: ([], refs))  # the actor's run is still under way
+    cluster = types.SimpleNamespace(host="127.0.0.1", ray=never_done)
+    handle = ray_workers.RayWorkerHandle(0, None, lambda *a: None, lambda *a: None, cluster=cluster)
+    handle._server = socket.create_server(("127.0.0.1", 0))
+    handle._server.settimeout(ray_workers.ACCEPT_POLL_S)
+    address = handle._server.getsockname()[:2]
+    silent = socket.create_connection(address)
+    accepted = []
+    accepting = threading.Thread(target=lambda: accepted.append(handle._accept()), daemon=True)
+    accepting.start()
+    actor = []  # the real worker, next in line
+    dialling = threading.Thread(target=lambda: actor.append(
+        multiprocessing.connection.Client(address, authkey=handle._authkey)), daemon=True)
+    dialling.start()
+    accepting.join(timeout=15)
+    dialling.join(timeout=5)
+    try:
+        assert not accepting.is_alive() and actor, "the silent peer still holds the port"
+        assert accepted[0] is not None
+        accepted[0].send("hello")
+        assert actor[0].recv() == "hello"
+    finally:
+        silent.close()
