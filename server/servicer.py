@@ -4,6 +4,7 @@ streams results back; keyed calls go through `Idempotency` (idempotency.py)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -17,7 +18,8 @@ import grpc
 from tokenline.server import convert, tools
 from tokenline.server.auth import DEFAULT_TENANT, Authenticator
 from tokenline.server.catalog import ServedModel
-from tokenline.server.errors import DeadlineUnmeetable, InvalidRequest, RequestNotFound, ServingError, Unavailable, abort_with
+from tokenline.server.errors import (DeadlineUnmeetable, InvalidRequest, Overloaded, RequestNotFound, ServingError,
+                                     Unavailable, abort_with)
 from tokenline.server.idempotency import Attach, Idempotency, IdempotencyStore, Replay
 from tokenline.server.jobrpcs import JobRpcs
 from tokenline.server.runtime import RequestKey, RequestState, Runtime, fingerprint
@@ -50,6 +52,7 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         # Tokenizing and chat templating: blocking work, never on the event loop.
         self._request_work = ThreadPoolExecutor(request_work_threads, thread_name_prefix="tokenline-tokenize")
         self.inflight = 0
+        self.attached: collections.Counter[str] = collections.Counter()  # streams attached to a run, per tenant
         runtime.on_finished.append(self.keys.finished)
 
     # ---------------------------------------------------------------- RPCs
@@ -200,6 +203,10 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
             raise
         finally:
             self.inflight -= 1
+            if call is not None and call.attached_by is not None:
+                self.attached[call.attached_by] -= 1
+                if not self.attached[call.attached_by]:
+                    del self.attached[call.attached_by]
             if call is not None and call.owner and self.on_done is not None:
                 for state, _ in call.followed():
                     self.on_done(state, outcome)
@@ -224,12 +231,30 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
             return replace(self._run(request, context, received, tenant, valid, key), **tooled)
         async with self.keys.decide(tenant, key, fingerprint(valid.model.name, valid.sampling, valid.prompt_ids), request) as found:
             if isinstance(found, Attach):
-                return _Call(state=found.state, mailbox=found.state.subscribe(request.resume_from_index), **tooled)
+                self._may_attach(tenant, found.state)
+                self.attached[tenant] += 1
+                return _Call(state=found.state, mailbox=found.state.subscribe(request.resume_from_index),
+                             attached_by=tenant, **tooled)
             if isinstance(found, Replay):
                 return _Call(replay=found, **tooled)
             call = replace(self._run(request, context, received, tenant, valid, key), **tooled)
             found.started(call.state)
             return call
+
+    def _may_attach(self, tenant: str, state: RequestState) -> None:
+        """A stream attached to a running key costs what any stream costs (a chunk per token): it counts
+        against its tenant's max_concurrent, beside the tenant's requests, and a run is followed by at most
+        MAX_FOLLOWERS_PER_RUN streams (a client re-attaches after a broken stream; it needs one)."""
+        followers = len(state.subscribers)
+        if followers >= MAX_FOLLOWERS_PER_RUN:
+            raise Overloaded(f"{followers} streams already follow this idempotency key's run (the limit); "
+                             "retry once some have ended", retry_after_s=1.0)
+        sched = self.runtime.scheduler
+        limit = sched.config.for_tenant(tenant).max_concurrent
+        busy = sched.tenant_inflight(tenant) + self.attached[tenant]
+        if busy + 1 > limit:
+            raise Overloaded(f"tenant {tenant!r} has {busy} requests and attached streams in flight, its limit is "
+                             f"{limit}", retry_after_s=1.0)
 
     def _run(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float, tenant: str,
              valid: convert.ValidRequest, key: str) -> _Call:
@@ -317,6 +342,7 @@ class _Call:
     samples: list[tuple[RequestState, asyncio.Queue]] = field(default_factory=list)
     tools: tools.ToolSpec | None = None  # a chat's tools: results carry the calls
     model: str = ""
+    attached_by: str | None = None  # the tenant, when this call is attached to another call's run
 
     def followed(self) -> list[tuple[RequestState, asyncio.Queue]]:
         """The runs this call follows: its samples, or its one run (none for a replay)."""
@@ -325,6 +351,7 @@ class _Call:
         return [(self.state, self.mailbox)] if self.state is not None else []
 
 
+MAX_FOLLOWERS_PER_RUN = 16  # streams following one keyed run, its own included
 MALFORMED = convert.MALFORMED  # what an RPC gets for bytes that did not parse (convert.parser)
 _parse = convert.parser
 

@@ -697,6 +697,10 @@ class Scheduler(AdmissionControl):
         oldest = q.queues[cls].oldest() if q else None
         return self.clock() - oldest.arrival if oldest else 0.0
 
+    def tenant_inflight(self, tenant: str) -> int:
+        """The tenant's requests queued or running (what its max_concurrent bounds)."""
+        return self._tenant_inflight[tenant]
+
     def running(self, worker_id: int) -> int:
         w = self.workers.get(worker_id)
         return len(w.running) if w else 0
