@@ -273,7 +273,7 @@ class Idempotency:
                 if found is not None:
                     yield found
                     return
-                if self.store is None or await self.store.begin(tenant, key, fingerprint):
+                if self.store is None or await self._begin(tenant, key, fingerprint):
                     break
                 # Another frontend began this key between our look and our write: look again.
             try:
@@ -282,6 +282,16 @@ class Idempotency:
                 if self.store is not None:
                     _in_background(self.store.abandon(tenant, key))
                 raise
+
+    async def _begin(self, tenant: str, key: str, fingerprint: str) -> bool:
+        """The store's begin; if the caller goes away meanwhile, the begin still happens on the store's
+        thread, so an abandon is queued right behind it: no row is left running under a lease this
+        frontend would renew for ever, with every other frontend waiting on it."""
+        try:
+            return await self.store.begin(tenant, key, fingerprint)
+        except asyncio.CancelledError:
+            _in_background(self.store.abandon(tenant, key))  # deletes only a running row owned here
+            raise
 
     def finished(self, state: RequestState) -> None:
         """A run ended: store its result (a normal finish), or free its key for a new run."""

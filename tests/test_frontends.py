@@ -18,6 +18,7 @@ import pytest
 from tokenline.client import SERVICE_CONFIG, Client, service_config_json
 from tokenline.client.errors import TokenlineError, Unavailable
 from tokenline.server.idempotency import IdempotencyStore
+from tokenline.v1 import tokenline_pb2 as pb
 from tests.postgres import postgres  # noqa: F401 - the fixture
 from tests.support import ServerProcess, wait_until
 
@@ -67,6 +68,43 @@ def test_two_idempotency_stores_on_one_database_hand_a_key_over_only_when_its_le
     assert held.status == "running" and held.elsewhere and not refused
     assert lapsed.status == "running" and not lapsed.elsewhere and taken
     assert (stored.status, stored.result, stored.token_text) == ("done", b"b's result", ("b",))
+
+
+def test_a_call_that_leaves_while_its_key_is_being_claimed_leaves_no_lease_behind(postgres):  # noqa: F811
+    """The caller went away during the store's begin: the begin still ran on the store's thread, and its
+    row was then renewed by this frontend's heartbeat for ever, so every other frontend waited on the key."""
+    from tokenline.server.idempotency import Idempotency
+
+    async def scenario():
+        target = postgres.database()
+        a, b = IdempotencyStore(target, lease_s=1.0), IdempotencyStore(target, lease_s=1.0)
+        try:
+            import psycopg
+
+            await a.lookup("t", "other")  # a's housekeeping (a purge, which the lock below would block) is done
+            blocker = psycopg.connect(target, autocommit=True)
+            blocker.execute("BEGIN")
+            blocker.execute("LOCK TABLE idempotency IN EXCLUSIVE MODE")  # a's begin runs, and waits for this
+
+            async def keyed_call():
+                async with Idempotency(a).decide("t", "k", "fp", pb.GenerateRequest()):
+                    await asyncio.sleep(60)
+
+            call = asyncio.ensure_future(keyed_call())
+            await asyncio.sleep(0.5)
+            call.cancel()  # the client left while the key was being claimed
+            await asyncio.gather(call, return_exceptions=True)
+            blocker.execute("COMMIT")  # the begin completes on a's thread after all
+            blocker.close()
+            await asyncio.sleep(2.5)  # past a's lease, had it not been renewed
+            return await b.lookup("t", "k"), await b.begin("t", "k", "fp")
+        finally:
+            a.close()
+            b.close()
+
+    seen, taken = asyncio.run(scenario())
+    assert seen is None or not seen.elsewhere
+    assert taken
 
 
 def test_a_load_balancing_policy_joins_the_service_config_and_keeps_the_retry_policy():
