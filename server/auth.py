@@ -152,5 +152,13 @@ class Authenticator:
             return peer_common_name
         raise Unauthenticated("credentials are required: send 'authorization: Bearer <api key>' metadata")
 
+    def revoked(self, tenant: str) -> bool:
+        """The keys file no longer gives `tenant` any key (its work stops: queued and running jobs, open
+        watches). Tenants named by client certificates are revoked by their CA, not here."""
+        if self.keys_file is None or self.client_certs:
+            return False
+        found = self.tenants.get(tenant)
+        return found is None or not found.key_hashes
+
     def quotas(self) -> dict[str, TenantConfig]:
         return {name: t.quota for name, t in self.tenants.items()}

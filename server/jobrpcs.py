@@ -77,6 +77,10 @@ class JobRpcs:
             await abort_with(context, err)
         index = request.from_index
         while True:
+            try:
+                self._tenant(context)  # a watch ends when its key is revoked (the keys file changed)
+            except ServingError as err:
+                await abort_with(context, err)
             progress = self.jobs.progress(job.job_id)  # taken before reading: no checkpoint slips between
             try:
                 tokens = await self.jobs.reads.call("tokens", job.job_id, index)

@@ -24,6 +24,7 @@ import random
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenline.engine.types import FinishReason, Sampling, TrafficClass
@@ -37,6 +38,7 @@ log = logging.getLogger("tokenline.jobs")
 _SUCCESS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING)
 STORE_RETRY_S = 0.5
 PURGE_EVERY_S = 60.0
+REVOKED = "the tenant's API keys were revoked; the job was stopped"
 DEFER_FIRST_S = 0.25  # a job refused for now (quota, full queue, no worker) waits this long before its next claim,
 DEFER_MAX_S = 10.0  # doubling with each refusal up to this (or the scheduler's retry hint, if longer)
 
@@ -90,9 +92,11 @@ class JobRunner:
     thread, when the store is a file or a database) answers watchers, so a crowd of them never delays
     a renewal past its lease."""
 
-    def __init__(self, store: JobStore, runtime: Runtime, config: JobConfig, reads: JobStore | None = None):
+    def __init__(self, store: JobStore, runtime: Runtime, config: JobConfig, reads: JobStore | None = None,
+                 revoked: Callable[[str], bool] = lambda tenant: False):
         self.store = store
         self.reads = reads or store
+        self.revoked = revoked  # a tenant whose keys were all revoked: its jobs stop, queued or running
         self.runtime = runtime
         self.config = config
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -229,6 +233,9 @@ class JobRunner:
         if len(stored) >= sampling.max_tokens:  # every token was stored before the last owner could say so
             await self._end(job, len(stored), [], "succeeded", FinishReason.LENGTH, None)
             return
+        if self.revoked(job.tenant):
+            await self._end(job, len(stored), [], "cancelled", FinishReason.CANCELLED, REVOKED)
+            return
         state = self._state(job, sampling, stored)
         mailbox = state.subscribe(len(stored))
         try:
@@ -255,6 +262,9 @@ class JobRunner:
                 reader.cancel()
                 state.unsubscribe(mailbox)
                 return
+            if not running.revoked and self.revoked(job.tenant):
+                running.revoked = True
+                self.runtime.cancel(state.key)
         error = reader.exception() if not reader.cancelled() else None
         state.unsubscribe(mailbox)
         if running.fenced:
@@ -263,7 +273,9 @@ class JobRunner:
             await self._write(job, checkpoint, running, state)
             await self._release(job)
             return
-        if isinstance(error, ServingError):
+        if running.revoked:
+            outcome, reason, message = "cancelled", FinishReason.CANCELLED, REVOKED
+        elif isinstance(error, ServingError):
             outcome, reason, message = _failed_state(error), None, error.message
         elif state.finish_reason in _SUCCESS:
             outcome, reason, message = "succeeded", state.finish_reason, None
@@ -359,6 +371,7 @@ class _Running:
     task: asyncio.Task | None = None
     state: RequestState | None = None
     fenced: bool = False
+    revoked: bool = False  # its tenant's keys were revoked while it ran
 
 
 class _Checkpoint:

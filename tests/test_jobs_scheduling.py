@@ -147,3 +147,35 @@ def _varint(n: int) -> bytes:
         out.append(byte | (0x80 if n else 0))
         if not n:
             return bytes(out)
+
+
+def test_revoking_a_tenants_keys_stops_its_jobs_and_its_watches(tmp_path):
+    path = keys(tmp_path / "keys.json")
+    db = str(tmp_path / "jobs.sqlite3")
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--sim-step-ms", "20", "--api-keys", str(path),
+                           "--job-store", db, "--jobs-running", "1", "--idempotency-db", "off").start()
+    try:
+        with Client(server.address, api_key=KEY_A) as a:
+            running = a.submit_job("runs", max_tokens=1500, ignore_eos=True)
+            queued = a.submit_job("waits", max_tokens=8, ignore_eos=True)
+            watch = iter(a.watch_job(running.job_id, timeout=60))
+            next(watch)  # running, and watched
+            time.sleep(1.1)  # file times have a resolution: make the change visible
+            path.write_text(json.dumps({"tenants": {"b": {"keys": [hash_key(KEY_B)]}}}))  # a is gone
+            with pytest.raises(TokenlineError) as info:
+                for _ in watch:
+                    pass
+        assert info.value.code.name == "UNAUTHENTICATED"
+
+        def ended():
+            with sqlite3.connect(db) as conn:
+                return dict(conn.execute("SELECT job_id, state || ': ' || COALESCE(error, '') FROM jobs").fetchall())
+
+        assert wait_until(lambda: all(v.startswith("cancelled") for v in ended().values()), timeout=30), ended()
+        states = ended()
+        assert "revoked" in states[running.job_id] and "revoked" in states[queued.job_id]
+        with sqlite3.connect(db) as conn:
+            (stored,) = conn.execute("SELECT tokens FROM jobs WHERE job_id=?", (queued.job_id,)).fetchone()
+        assert stored == 0  # the queued one never ran
+    finally:
+        server.stop()
