@@ -51,25 +51,56 @@ def test_after_one_crash_the_survivors_run_again_together_and_new_work_joins_the
     assert admitted(s.submit(entry("new"))) == ["new"]  # and new work is not kept waiting
 
 
-def test_after_a_second_crash_its_suspects_run_alone_and_the_one_that_crashes_alone_is_quarantined():
-    s = scheduler()
+def crashed_twice(s: Scheduler, n: int) -> list[str]:
+    """n requests that were running at two crashes: suspects now."""
     s.add_worker(spec(0))
-    for i in range(4):
+    for i in range(n):
         s.submit(entry(f"r{i}"))
     s.worker_lost(0)
     s.add_worker(spec(1))
-    s.worker_lost(1)  # the same four were running at both crashes
+    s.worker_lost(1)
+    return [f"r{i}" for i in range(n)]
 
-    alone = admitted(s.add_worker(spec(2)))
-    assert len(alone) == 1
-    others = admitted(s.add_worker(spec(3)))
-    assert len(others) == 1 and others[0] not in alone
-    assert admitted(s.submit(entry("new"))) == []  # no worker runs a suspect and anything else
-    assert len(admitted(s.add_worker(spec(4)))) == 1  # a worker takes one suspect, alone
 
-    verdict = s.worker_lost(2)  # it crashed a worker while running alone: named exactly
-    assert [(a.key, a.quarantined) for a in verdict if isinstance(a, Fail)] == [(alone[0], True)]
-    assert "while it ran alone" in next(a for a in verdict if isinstance(a, Fail)).message
+def test_after_a_second_crash_the_suspects_rerun_in_two_groups_apart_from_all_other_work():
+    s = scheduler()
+    suspects = crashed_twice(s, 4)
+
+    first = admitted(s.add_worker(spec(2)))
+    assert len(first) == 2  # half of them, together: a group
+    assert admitted(s.submit(entry("new"))) == []  # nothing joins a group's worker
+    assert admitted(s.add_worker(spec(3))) == ["new"]  # the worker left to the rest of the work
+    second = admitted(s.add_worker(spec(4)))
+    assert sorted(first + second) == sorted(suspects)  # the other half, on a worker of its own
+
+
+def test_a_group_that_crashes_is_split_until_its_culprit_crashes_alone_and_only_it_is_quarantined():
+    s = scheduler()
+    suspects = crashed_twice(s, 8)
+    culprit = "r5"
+    failed, deaths, next_worker = [], 0, 2
+    while not failed:
+        while s.entries[culprit].worker_id is None:  # workers join until the culprit's group has one
+            s.add_worker(spec(next_worker))
+            next_worker += 1
+            assert next_worker < 20
+        wid = s.entries[culprit].worker_id
+        failed = [a for a in s.worker_lost(wid) if isinstance(a, Fail)]
+        deaths += 1
+    assert [(a.key, a.quarantined) for a in failed] == [(culprit, True)]
+    assert "while it ran alone" in failed[0].message
+    assert deaths == 3  # 8 suspects: groups of 4, 2, then the culprit alone (one by one took up to 8)
+    innocent = [k for k in suspects if k != culprit]
+    s.add_worker(spec(next_worker))
+    s.add_worker(spec(next_worker + 1))
+    assert {s.entries[k].status.name for k in innocent} == {"RUNNING"}  # none failed: all running again
+
+
+def test_on_a_single_worker_a_group_still_runs_and_newcomers_follow_it():
+    s = scheduler()
+    crashed_twice(s, 4)
+    assert len(admitted(s.add_worker(spec(2)))) == 2  # the only worker: the diagnosis goes first
+    assert admitted(s.submit(entry("new"))) == []
 
 
 def test_a_crash_of_a_shared_worker_quarantines_no_one_before_the_limit():

@@ -81,6 +81,7 @@ class Scheduler(AdmissionControl):
         # Models whose workers start on demand (autoscaled from zero) -> seconds a start takes: with no
         # worker their requests queue (the queue starts one) instead of being refused.
         self.on_demand: dict[str, float] = {}
+        self._next_group = 1  # the next suspect group's number
 
     # ------------------------------------------------------------------ events
 
@@ -109,16 +110,17 @@ class Scheduler(AdmissionControl):
         now = self.clock()
         actions: list[Action] = []
         alone = len(w.running) == 1
+        suspects: list[Entry] = []
         for e in list(w.running.values()):
             was_isolated = self._isolated(e)
             e.crashes += 1
             e.worker_id, e.blocks = None, 0
             cls_cfg = self.config.for_class(e.cls)
-            if (was_isolated and alone) or e.crashes >= self.config.quarantine_after_crashes:
+            if (was_isolated and alone) or (not was_isolated and e.crashes >= self.config.quarantine_after_crashes):
                 transition(e, Status.FAILED)
                 why = "while it ran alone" if was_isolated and alone else "while running it"
                 actions.append(Fail(e.key, f"quarantined: a worker died {e.crashes} times {why}", True))
-            elif e.attempt >= cls_cfg.max_attempts:
+            elif e.attempt >= cls_cfg.max_attempts and not was_isolated:  # a group's rerun is diagnosis, not a retry
                 transition(e, Status.FAILED)
                 actions.append(Fail(e.key, f"worker died and all {cls_cfg.max_attempts} attempts are spent"))
             elif e.deadline is not None and e.deadline <= now:
@@ -127,10 +129,21 @@ class Scheduler(AdmissionControl):
             else:
                 transition(e, Status.QUEUED)
                 e.attempt += 1
-                self._enqueue(e, now, front=True)
+                if self._isolated(e):
+                    suspects.append(e)
+                else:
+                    self._enqueue(e, now, front=True)
                 actions.append(Retry(e.key, e.attempt))
                 continue
             self._forget(e)
+        # Bisection: the suspects of this crash rerun as two groups, each apart from all other work; a
+        # group that finishes clears its members, one that crashes is split again, and one that crashes
+        # alone names its culprit. log2(n) reruns, in parallel on idle workers, instead of n one by one.
+        half = (len(suspects) + 1) // 2
+        for i, e in enumerate(suspects):
+            e.suspect_group = self._next_group + (i >= half)
+            self._enqueue(e, now, front=True)
+        self._next_group += 2
         return actions + self._dispatch(w.spec.model)
 
     def submit(self, entry: Entry) -> list[Action]:
@@ -304,6 +317,8 @@ class Scheduler(AdmissionControl):
         r = _Round(workers, {wid: self._budget(self.workers[wid], at_boundary=wid == reporting) for wid in workers},
                    {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
         actions: list[Action] = []
+        if model.suspects:
+            self._admit_suspects(model, r, now)
         while any([self._admit_class(model_name, model, cls, r, now, actions) for cls in CLASSES]):  # both classes every pass
             pass
         for wid in workers:
@@ -315,6 +330,32 @@ class Scheduler(AdmissionControl):
                                             sum(n for n, cls in prompts if cls == TrafficClass.INTERACTIVE))
                 actions.append(Dispatch(wid, w.seq, tuple(r.admitted[wid]), idle_before=len(w.running) == len(r.admitted[wid])))
         return actions
+
+    def _admit_suspects(self, model: ModelState, r: _Round, now: float) -> None:
+        """Each waiting suspect group onto an idle worker of its own, as far as they fit; while the model
+        has more than one worker, one is always left to the rest of the work (newcomers are not held up
+        by a diagnosis)."""
+        def idle(wid: int) -> bool:
+            return r.open[wid] and not self.workers[wid].running and not r.admitted[wid]
+
+        def diagnosing(wid: int) -> bool:
+            return any(self._isolated(e) for e in self.workers[wid].running.values()) or \
+                any(self._isolated(self.entries[a.key]) for a in r.admitted[wid])
+
+        for group in dict.fromkeys(e.suspect_group for e in model.suspects):
+            free = [wid for wid in r.workers if idle(wid)]
+            busy = sum(1 for wid in r.workers if diagnosing(wid))
+            if not free or (len(r.workers) > 1 and busy + 1 >= len(r.workers)):
+                return
+            wid = free[0]
+            w, budget = self.workers[wid], r.budgets[wid]
+            for e in [e for e in model.suspects if e.suspect_group == group]:
+                if budget.slots < 1 or not budget.fits(e):
+                    break  # the rest of the group waits for the next idle worker
+                budget.try_admit(e)
+                self._dequeue(e, admitted=True)
+                r.admitted[wid].append(self._admit(e, w, now))
+            r.open[wid] = False
 
     def _admit_class(self, model_name: str, model: ModelState, cls: TrafficClass, r: _Round, now: float,
                      actions: list[Action]) -> bool:
@@ -631,15 +672,24 @@ class Scheduler(AdmissionControl):
         return self.models[name]
 
     def _enqueue(self, e: Entry, now: float, *, front: bool = False) -> None:
-        """Queue `e`; its arrival time stays what it was (a requeue keeps its age)."""
+        """Queue `e`; its arrival time stays what it was (a requeue keeps its age). A suspect waits
+        with its group, apart from the class queues."""
         model = self._model(e.model)
         e.queued_since = now
         e.no_capacity_at_enqueue = self._no_capacity_integral(model, now)
-        model.queues[e.cls].push(e, front=front)
+        if self._isolated(e):
+            model.suspects.append(e)
+        else:
+            model.queues[e.cls].push(e, front=front)
         self._tenant_queued_tokens[e.tenant] += e.cost
 
     def _dequeue(self, e: Entry, *, admitted: bool = False) -> None:
-        queue = self.models[e.model].queues[e.cls]
+        model = self.models[e.model]
+        if e in model.suspects:
+            model.suspects.remove(e)
+            self._tenant_queued_tokens[e.tenant] -= e.cost
+            return
+        queue = model.queues[e.cls]
         if admitted:
             queue.pop_admitted(e)
         else:

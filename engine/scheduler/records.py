@@ -34,6 +34,7 @@ class Entry:
     run: int = 0  # admissions so far (a preemption re-admits without a new attempt)
     generated: int = 0  # tokens produced by earlier runs and this one
     crashes: int = 0  # workers that died while it was running
+    suspect_group: int = 0  # isolated: the group it reruns with, apart from all other work (0: none)
     prefilled: bool = False  # this run has produced a token, so its prompt is computed
     preemptions: int = 0
     worker_id: int | None = None

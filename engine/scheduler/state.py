@@ -70,6 +70,9 @@ class ModelState:
     queues: dict[TrafficClass, ClassQueue]
     workers: list[int] = field(default_factory=list)
     last_spec: WorkerSpec | None = None  # the last worker that joined (what a request must fit while none runs)
+    # Suspects waiting to rerun, by group: kept out of the class queues, so a group waiting for an
+    # idle worker never holds up the requests queued behind it.
+    suspects: list[Entry] = field(default_factory=list)
     # Integral over time of "no worker of this model has room" (for the queueing split).
     no_capacity_total: float = 0.0
     no_capacity_since: float | None = None
