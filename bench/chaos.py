@@ -1,9 +1,10 @@
 """Chaos soak: mixed traffic against a real server while its workers are killed and stopped.
 
-Starts `tokenline serve` (tiny model, 2 workers and a standby, a step watchdog, metrics on) on
-loopback and, for the chosen time, drives it with complete streams, cancelled streams, keyed
-streams broken and resumed, malformed and oversized requests, while worker processes get SIGKILL
-or SIGSTOP at random. Then it reports what a caller could have lost: requests that ended with no
+Starts `tokenline serve` (tiny model, 2 workers and a standby, a step watchdog, metrics on, its
+idempotency and job stores in SQLite files) on loopback and, for the chosen time, drives it with
+complete streams, cancelled streams, keyed streams broken and resumed, durable jobs watched to the
+end, malformed and oversized requests, while worker processes get SIGKILL or SIGSTOP at random and
+both stores go away now and then (another process holds them locked for seconds). Then it reports what a caller could have lost: requests that ended with no
 status, streams with a gap or a repeat in their indexes, completed streams short of max_tokens,
 UNKNOWN or INTERNAL answers, and what the server still holds once traffic stops (in-flight
 requests, running sequences, KV in use, queued requests), with the server's RSS over time.
@@ -20,10 +21,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -49,6 +52,7 @@ class Tally:
     lost: int = 0  # ended with no finish reason and no error, or stalled past CALL_TIMEOUT_S
     index_errors: int = 0  # a chunk not at the next index: a gap or a repeat
     truncated: int = 0  # finished LENGTH (ignore_eos) with fewer than max_tokens tokens
+    stuck_jobs: int = 0  # accepted jobs not ended (or not watchable to their end) within CALL_TIMEOUT_S
     replay_mismatch: int = 0  # a keyed retry's stored result differs from the run it followed
     bad_answers: int = 0  # UNKNOWN or INTERNAL
     faults: Counter = field(default_factory=Counter)
@@ -71,6 +75,7 @@ class Server:
         self.lines: list[str] = []
         self.address: str | None = None
         self.ready_pids: set[int] = set()  # workers that said they are loaded (active or standby)
+        self.ray_pids: dict[int, str] = {}  # on a Ray cluster: worker actor pid -> its node id
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -81,6 +86,9 @@ class Server:
             ready = re.search(r"worker \d+ ready: model \S+, pid (\d+)", line)
             if ready:
                 self.ready_pids.add(int(ready.group(1)))
+            placed = re.search(r"worker \d+ ready: model \S+ on Ray node ([0-9a-f]+) \(host \S+, pid (\d+)\)", line)
+            if placed:
+                self.ray_pids[int(placed.group(2))] = placed.group(1)
             m = re.search(r"tokenline: serving on (\S+):(\d+)", line)
             if m:
                 self.address = f"{m.group(1)}:{m.group(2)}"
@@ -93,6 +101,8 @@ class Server:
 
     def ready_workers(self) -> list[int]:
         """Loaded workers still running."""
+        if self.ray_pids:
+            return [pid for pid in self.ray_pids if os.path.exists(f"/proc/{pid}")]
         return [pid for pid in self.workers() if pid in self.ready_pids]
 
     def workers(self) -> list[int]:
@@ -154,8 +164,8 @@ class Traffic:
 
     async def one(self) -> None:
         self.n += 1
-        kinds = ["stream", "cancel", "keyed", "malformed", "oversized"]
-        kind = self.rng.choices(kinds, weights=[45, 15, 15, 18, 7])[0]
+        kinds = ["stream", "cancel", "keyed", "job", "malformed", "oversized"]
+        kind = self.rng.choices(kinds, weights=[40, 15, 15, 10, 13, 7])[0]
         self.tally.requests[kind] += 1
         await getattr(self, kind)()
 
@@ -244,6 +254,40 @@ class Traffic:
                 await self._replay(req, max_tokens)
         self._count(code, "a keyed stream")
 
+    async def job(self) -> None:
+        """A durable job, watched to its end from wherever a broken watch left off: every token once."""
+        req, max_tokens = self._request()
+        req.ClearField("request_id")
+        try:
+            job = await self.stub.SubmitJob(pb.SubmitJobRequest(request=req), timeout=30)
+        except grpc.aio.AioRpcError as err:  # the store away: UNAVAILABLE, nothing accepted
+            self._count(err.code().name, "a job submission")
+            return
+        position, end = 0, time.monotonic() + CALL_TIMEOUT_S
+        while time.monotonic() < end:
+            try:
+                async for chunk in self.stub.WatchJob(pb.WatchJobRequest(job_id=job.job_id, from_index=position),
+                                                      timeout=max(end - time.monotonic(), 1.0)):
+                    if chunk.token_ids and chunk.index != position:
+                        self.tally.index_errors += 1
+                        self.tally.problem(f"job chunk at index {chunk.index}, expected {position}")
+                    position = chunk.index + len(chunk.token_ids)
+                    if chunk.state:
+                        ok = chunk.state == pb.JOB_SUCCEEDED and position == max_tokens
+                        if not ok:
+                            self.tally.problem(f"job ended {pb.JobState.Name(chunk.state)} with {position} of "
+                                               f"{max_tokens} tokens: {chunk.error}")
+                            self.tally.truncated += chunk.state == pb.JOB_SUCCEEDED
+                        self._count("OK" if ok else pb.JobState.Name(chunk.state), "a job")
+                        return
+            except grpc.aio.AioRpcError as err:
+                if err.code().name in BAD:
+                    self._count(err.code().name, "a job watch")
+                    return
+                await asyncio.sleep(0.5)  # a watch broken by the server: watch again from the next index
+        self.tally.stuck_jobs += 1
+        self.tally.problem(f"job {job.job_id} not ended {CALL_TIMEOUT_S:.0f} s after it was accepted")
+
     async def _replay(self, req: pb.GenerateRequest, max_tokens: int) -> None:
         try:
             again = await self.stub.Complete(req, timeout=CALL_TIMEOUT_S)
@@ -298,17 +342,36 @@ class Traffic:
 
 
 async def inject_faults(server: Server, tally: Tally, rng: random.Random, until: float, every_s: tuple[float, float],
-                        watchdog_s: float) -> None:
+                        watchdog_s: float, stores: tuple[str, ...] = (), cluster=None) -> None:
     """SIGKILL or SIGSTOP a random loaded worker now and then, while at least two are loaded; a stopped worker the
-    watchdog spared (it had no work) is continued after twice the watchdog's limit."""
+    watchdog spared (it had no work) is continued after twice the watchdog's limit. With `stores`, the first
+    fault and one in four after it is an outage of them instead: another process holds the SQLite files
+    locked for 2-6 s."""
+    first = True
     while time.monotonic() < until:
         await asyncio.sleep(rng.uniform(*every_s))
+        outage, first = bool(stores) and (first or rng.random() < 0.25), False
+        if outage and time.monotonic() < until:
+            tally.faults["store_outage"] += 1
+            await asyncio.to_thread(_lock_stores, stores, rng.uniform(2.0, 6.0))
+            continue
         pids = server.ready_workers()
         if len(pids) < 2 or time.monotonic() >= until:
             continue  # one loaded worker left (the others loading): a fault that leaves none measures only restarts
         pid = rng.choice(pids)
         try:
-            if rng.random() < 0.6:
+            if cluster is not None and rng.random() < 0.4:
+                # A partition: the worker's node (its raylet) and the actor alive but silent, then back.
+                node = next((n for n in cluster.list_all_nodes() if n.node_id == server.ray_pids.get(pid)), None)
+                silent = [pr.process.pid for pr in (node.all_processes.get("raylet", []) if node else [])] + [pid]
+                tally.faults["partition"] += 1
+                for p in silent:
+                    os.kill(p, signal.SIGSTOP)
+                await asyncio.sleep(2 * watchdog_s)
+                for p in silent:
+                    if os.path.exists(f"/proc/{p}"):
+                        os.kill(p, signal.SIGCONT)
+            elif rng.random() < 0.6:
                 os.kill(pid, signal.SIGKILL)
                 tally.faults["sigkill"] += 1
             else:
@@ -321,12 +384,45 @@ async def inject_faults(server: Server, tally: Tally, rng: random.Random, until:
             pass
 
 
+def _ray_cluster(nodes: int):
+    """Ray's own test cluster on this machine: a head with no CPUs, `nodes` worker nodes of one CPU each."""
+    from ray import cluster_utils
+
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _lock_stores(paths: tuple[str, ...], seconds: float) -> None:
+    """A store outage: each file held in an exclusive transaction by this process (writers there get busy)."""
+    import sqlite3
+
+    held = []
+    try:
+        for path in paths:
+            db = sqlite3.connect(path, isolation_level=None, timeout=10)
+            db.execute("BEGIN EXCLUSIVE")
+            held.append(db)
+        time.sleep(seconds)
+    finally:
+        for db in held:
+            db.execute("ROLLBACK")
+            db.close()
+
+
 async def soak(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     tally = Tally()
+    folder = tempfile.mkdtemp(prefix="tokenline-chaos-")
+    cluster = _ray_cluster(args.ray_nodes) if args.ray_nodes else None
+    placement = ["--ray-address", cluster.address] if cluster is not None else []
+    stores = (os.path.join(folder, "idempotency.sqlite3"), os.path.join(folder, "jobs.sqlite3"))
     server = Server(["--model", args.model, "--compile", args.compile, "--workers", "2", "--threads", "1", "--standby-workers", "1",
                      "--step-watchdog-s", str(args.watchdog_s), "--kv-cache-mb", "64", "--max-seqs", "16",
-                     "--max-model-len", "1024", "--log-level", "INFO", "--request-log-level", "WARNING"])
+                     "--max-model-len", "1024", "--log-level", "INFO", "--request-log-level", "WARNING",
+                     "--idempotency-db", stores[0], "--job-store", stores[1], "--job-lease-s", "3", *placement])
     rss: list[tuple[float, float]] = []
     try:
         server.wait_ready(args.start_timeout_s)
@@ -350,8 +446,9 @@ async def soak(args: argparse.Namespace) -> dict:
                     await asyncio.sleep(args.sample_s)
 
             await asyncio.gather(*(caller() for _ in range(args.concurrency)), sample_rss(),
-                                 inject_faults(server, tally, rng, until, (args.fault_min_s, args.fault_max_s), args.watchdog_s))
-            for pid in server.workers():  # leave no worker stopped
+                                 inject_faults(server, tally, rng, until, (args.fault_min_s, args.fault_max_s), args.watchdog_s,
+                                               stores if args.store_outages == "on" else (), cluster))
+            for pid in server.workers() + list(server.ray_pids):  # leave no worker stopped
                 try:
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
@@ -361,6 +458,9 @@ async def soak(args: argparse.Namespace) -> dict:
         rss.append((round(time.monotonic() - start, 1), round(server.rss_mb(), 1)))
     finally:
         server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+        if cluster is not None:
+            cluster.shutdown()
     return _report(args, tally, leaked, alive, rss)
 
 
@@ -392,11 +492,12 @@ def _report(args: argparse.Namespace, tally: Tally, leaked: dict[str, float], al
     judged_rss = args.minutes * 60 >= 120  # a short run is mostly warm-up: RSS is reported, not judged
     rss_flat = not judged_rss or growth_mb <= max(0.1 * early, 30.0)
     ok = (alive and not leaked and tally.lost == 0 and tally.index_errors == 0 and tally.truncated == 0
-          and tally.replay_mismatch == 0 and tally.bad_answers == 0 and rss_flat)
+          and tally.replay_mismatch == 0 and tally.bad_answers == 0 and tally.stuck_jobs == 0 and rss_flat)
     return {
         "ok": ok, "minutes": args.minutes, "requests": sum(tally.requests.values()), "by_kind": dict(tally.requests),
         "answers": dict(tally.codes), "faults": dict(tally.faults), "lost": tally.lost, "index_errors": tally.index_errors,
         "truncated": tally.truncated, "replay_mismatch": tally.replay_mismatch, "unknown_or_internal": tally.bad_answers,
+        "stuck_jobs": tally.stuck_jobs,
         "leaked_after_drain": leaked, "alive_after": alive,
         "server_rss_mb": {"early_median": early, "late_median": late, "growth": round(growth_mb, 1), "flat": rss_flat,
                           "judged": judged_rss, "samples": rss},
@@ -419,6 +520,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=1_000_000, help="per caller, a bound besides time")
     p.add_argument("--fault-min-s", type=float, default=5.0, help="least time between faults (default %(default)s)")
     p.add_argument("--fault-max-s", type=float, default=20.0, help="most time between faults (default %(default)s)")
+    p.add_argument("--ray-nodes", type=int, default=0,
+                   help="run the workers as Ray actors on a local Ray test cluster of this many one-CPU nodes, and "
+                        "partition nodes (raylet and actor silent for twice the watchdog) among the faults "
+                        "(default 0: local worker processes; 4 leaves room for replacements)")
+    p.add_argument("--store-outages", choices=("on", "off"), default="on",
+                   help="one fault in four locks the idempotency and job stores for 2-6 s (default %(default)s)")
     p.add_argument("--watchdog-s", type=float, default=3.0, help="the server's --step-watchdog-s (default %(default)s)")
     p.add_argument("--sample-s", type=float, default=10.0, help="RSS sampling period (default %(default)s)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="wait this long for the workers to load")
