@@ -114,11 +114,16 @@ class ServerProcess:
 
 
 class HealthWatcher:
-    """Polls a server's health in the background while a block runs; `seen` keeps every answer."""
+    """Polls a server's health in the background while a block runs; `seen` keeps every answer.
 
-    def __init__(self, server: ServerProcess, interval: float = 0.05):
-        self.server, self.interval = server, interval
+    A check that fails (no answer within its 5 s) is itself a finding: the health service must answer
+    while workers crash and restart. Leaving the block raises if any did, or if too few checks were
+    answered for "health never said X" to rest on anything."""
+
+    def __init__(self, server: ServerProcess, interval: float = 0.05, min_answers: int = 3):
+        self.server, self.interval, self.min_answers = server, interval, min_answers
         self.seen: list[int] = []
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -126,17 +131,20 @@ class HealthWatcher:
         while not self._stop.is_set():
             try:
                 self.seen.append(self.server.health())
-            except Exception:  # the server may be busy restarting a worker; keep polling
-                pass
+            except Exception as err:  # noqa: BLE001 - recorded, and raised when the block ends
+                self.errors.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
             time.sleep(self.interval)
 
     def __enter__(self) -> "HealthWatcher":
         self._thread.start()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, kind, *exc_info: object) -> None:
         self._stop.set()
         self._thread.join()
+        if kind is None:
+            assert not self.errors, f"health checks failed while watched: {self.errors[:3]}"
+            assert len(self.seen) >= self.min_answers, f"only {len(self.seen)} health checks were answered"
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:

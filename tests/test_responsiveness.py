@@ -33,24 +33,33 @@ class Observer:
         self.arrivals: list[float] = []
         self.health_s: list[float] = []
         self.stream_ended_early = False
+        self.outlived = False  # the stream was still running when the block ended (it is stopped by us)
+        self.errors: list[BaseException] = []  # what ended a thread early; raised when the block ends
         self._stop = threading.Event()
 
     def _read_stream(self):
-        stream = self.client.generate("a running stream", max_tokens=2000, ignore_eos=True)
-        for delta in stream:
-            self.arrivals.append(time.monotonic())
-            if self._stop.is_set():
-                stream.cancel()
-                return
-            if delta.finish_reason is not None:
-                self.stream_ended_early = True
+        try:
+            stream = self.client.generate("a running stream", max_tokens=2000, ignore_eos=True)
+            for delta in stream:
+                self.arrivals.append(time.monotonic())
+                if self._stop.is_set():
+                    self.outlived = True
+                    stream.cancel()
+                    return
+                if delta.finish_reason is not None:
+                    self.stream_ended_early = True
+        except BaseException as err:  # noqa: BLE001 - an aborted stream must fail the test, not end quietly
+            self.errors.append(err)
 
     def _check_health(self):
-        while not self._stop.is_set():
-            start = time.monotonic()
-            self.server.health()
-            self.health_s.append(time.monotonic() - start)
-            time.sleep(0.02)
+        try:
+            while not self._stop.is_set():
+                start = time.monotonic()
+                self.server.health()
+                self.health_s.append(time.monotonic() - start)
+                time.sleep(0.02)
+        except BaseException as err:  # noqa: BLE001 - a health check that timed out is a finding
+            self.errors.append(err)
 
     def __enter__(self):
         self._threads = [threading.Thread(target=self._read_stream), threading.Thread(target=self._check_health)]
@@ -60,10 +69,12 @@ class Observer:
             time.sleep(0.01)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, *exc):
         self._stop.set()
         for t in self._threads:
             t.join()
+        if kind is None and self.errors:
+            raise AssertionError(f"the stream or the health checks failed while observed: {self.errors[0]!r}")
 
     def longest_gap(self) -> float:
         return max(b - a for a, b in zip(self.arrivals, self.arrivals[1:]))
@@ -83,7 +94,7 @@ def test_huge_prompts_are_refused_without_stalling_other_streams_or_health_check
         details = [f.result() for f in refusals]
 
     assert all("characters" in d and "fit" in d for d in details), details
-    assert not seen.stream_ended_early, "the stream must outlast the refusals for the gaps to mean anything"
+    assert seen.outlived and not seen.stream_ended_early, "the stream must outlast the refusals for the gaps to mean anything"
     assert seen.longest_gap() < STALL_S, f"a running stream waited {seen.longest_gap():.2f} s for its next token"
     assert max(seen.health_s) < STALL_S, f"a health check took {max(seen.health_s):.2f} s"
 
@@ -99,6 +110,6 @@ def test_prompts_that_pass_the_size_bound_are_tokenized_off_the_loop(server):
 
     assert all("tokens" in d for d in details), details
     assert len(fits.token_ids) == 2
-    assert not seen.stream_ended_early
+    assert seen.outlived and not seen.stream_ended_early
     assert seen.longest_gap() < STALL_S, f"a running stream waited {seen.longest_gap():.2f} s for its next token"
     assert max(seen.health_s) < STALL_S, f"a health check took {max(seen.health_s):.2f} s"
