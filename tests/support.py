@@ -22,9 +22,10 @@ WEB = re.compile(r"tokenline: gRPC-Web and the page on (https?://\S+:\d+)/")
 class ServerProcess:
     """`tokenline serve ARGS` in its own process group, its output kept for failure reports."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        # One 1-thread worker unless a test asks for more: the machine-sized default would start one per CPU.
-        sizing = [*(() if "--workers" in args else ("--workers", "1")), *(() if "--threads" in args else ("--threads", "1"))]
+    def __init__(self, *args: str, env: dict[str, str] | None = None, machine_sized: bool = False):
+        # One 1-thread worker unless a test asks for more, or for the machine-sized default (one per CPU).
+        sizing = [] if machine_sized else [*(() if "--workers" in args else ("--workers", "1")),
+                                           *(() if "--threads" in args else ("--threads", "1"))]
         # Eager unless a test asks for the compiled default: a compile costs a minute the first time.
         eager = () if "--compile" in args else ("--compile", "off")
         self.args = ["--port", "0", *sizing, *eager, *args]

@@ -1,4 +1,5 @@
-"""Defaults from the machine: workers, threads and KV cache per worker (engine/machine.py), as plain functions."""
+"""Defaults from the machine: workers, threads and KV cache per worker (engine/machine.py), as plain functions,
+and a real server started with no sizing flags."""
 
 import pytest
 
@@ -136,3 +137,31 @@ def test_memory_is_what_the_nodes_of_our_cpus_have_not_the_whole_machine(tmp_pat
     assert node_available_memory(tmp_path, cpus={1, 2}) == 37 * GiB
     assert node_available_memory(tmp_path / "absent", cpus={0}) > 1 << 50  # no nodes shown: no limit from them
     assert read_machine().available_bytes <= node_available_memory()
+
+
+@pytest.mark.engine
+def test_with_no_sizing_flags_the_server_sizes_itself_from_this_machine_and_starts_what_it_printed():
+    import re
+
+    from tests.support import ServerProcess, wait_until
+
+    expected = plan_workers(read_machine())
+    server = ServerProcess("--model", "tiny", "--compile", "off", machine_sized=True).start()
+    try:
+        line = next(line for line in server.lines if line.startswith("tokenline: tiny-llama: "))
+        workers = "1 worker" if expected.workers == 1 else f"{expected.workers} workers"
+        threads = "1 thread" if expected.threads == 1 else f"{expected.threads} threads"
+        shape = re.match(rf"tokenline: tiny-llama: {workers} × {threads}(?: \(pinned to CPUs ([^)]*)\))?, KV ", line)
+        assert shape, line
+        def ready():  # the server serves once one worker is up; the others follow
+            return set(re.findall(r"worker (\d+) ready: model tiny-llama, pid (\d+)", server.output()))
+
+        assert wait_until(lambda: len(ready()) == expected.workers, timeout=180), server.output()[-3000:]
+        if shape.group(1):  # pinned: each worker runs on the CPUs the line gave it
+            sets = set(shape.group(1).split(" | "))
+            for _, pid in ready():
+                allowed = next(ln.split(":")[1].strip() for ln in open(f"/proc/{pid}/status")
+                               if ln.startswith("Cpus_allowed_list"))
+                assert allowed in sets, (allowed, sets)
+    finally:
+        server.stop()
