@@ -65,6 +65,16 @@ def test_run_eagerly_the_default_model_still_knows_the_capital_of_france(eager_s
     assert not info.attention_kernel.startswith("amx"), info.attention_kernel
 
 
+def test_run_eagerly_on_an_amx_cpu_the_policy_trades_vllms_amx_kernel_for_vec(eager_server):
+    from tokenline.engine.machine import cpu_flags
+
+    if "amx_tile" not in cpu_flags():
+        pytest.skip("this CPU has no AMX: vLLM never offers its AMX kernel here, so there is nothing to trade")
+    with Client(eager_server.address) as client:
+        info = client.list_models()[0]
+    assert info.attention_kernel.startswith("vec") and "would take 'amx'" in info.attention_kernel, info.attention_kernel
+
+
 def test_the_default_model_answers_in_the_asked_format_with_its_logprobs(default_server):
     import json
 
