@@ -1,4 +1,5 @@
-"""The autoscaler for real: a worker added under a step of load, and removed once the load is gone."""
+"""The autoscaler for real: a worker added under a step of load, and removed once the load is gone (the simulated
+engine, then tiny vLLM workers)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,40 @@ def test_a_step_of_load_adds_a_worker_that_serves_and_goes_once_idle_for_the_coo
     # What is left serves on.
     again = asyncio.run(burst(server.address, 2))
     assert all(sum(len(d.token_ids) for d in deltas) == TOKENS for deltas in again)
+
+
+def test_real_vllm_workers_a_step_of_load_adds_one_that_serves_and_it_goes_after_the_cool_down(tmp_path):
+    """The same on the real engine (tiny vLLM workers): the added worker loads vLLM, takes streams from
+    the queue, and is removed once idle; nothing lost or repeated meanwhile."""
+    steps = tmp_path / "steps.jsonl"
+    metrics_port = free_port()
+    server = ServerProcess("--metrics-port", str(metrics_port), "--model", "tiny", "--workers", "1", "--max-seqs", "4",
+                           "--kv-cache-mb", "64", "--max-model-len", "512", "--autoscale-max-workers", "2",
+                           "--autoscale-queue-age-s", "0.5", "--autoscale-cooldown-s", "3", "--autoscale-settle-s", "1",
+                           "--step-log", str(steps), "--log-level", "INFO").start()
+    try:
+        async def long_burst():  # long enough that a worker loading vLLM (tens of seconds here) still finds a queue
+            async with AsyncClient(server.address) as client:
+                async def one(i: int):
+                    return [d async for d in client.generate(token_ids=[3 + i, 5, 7], max_tokens=300,
+                                                             ignore_eos=True, traffic_class="bulk")]
+
+                return await asyncio.gather(*(one(i) for i in range(48)))
+
+        results = asyncio.run(long_burst())
+        for deltas in results:
+            position = 0
+            for d in deltas:
+                assert d.index == position
+                position += len(d.token_ids)
+            assert position == 300
+        added = [line for line in decisions(server) if "adding worker" in line]
+        assert added, server.output()[-3000:]
+        new_worker = int(re.search(r"adding worker (\d+)", added[0]).group(1))
+        assert re.search(rf"worker {new_worker} ready: model tiny-llama, pid \d+", server.output())
+        log = [json.loads(line) for line in steps.read_text().splitlines()]
+        assert any(s["worker"] == new_worker and s["batch"] > 0 for s in log), "the added worker took no work"
+        assert wait_until(lambda: any("removing worker" in line for line in decisions(server)), timeout=90)
+        assert metric_values(scrape(metrics_port), "tokenline_workers_wanted") == [1.0]
+    finally:
+        server.stop()
