@@ -173,6 +173,39 @@ def test_a_partitioned_node_is_given_up_on_the_watchdogs_time_and_its_streams_co
             cluster.remove_node(node)
 
 
+def test_on_ray_the_autoscaler_adds_an_actor_that_ray_places_and_removes_it_after_the_cool_down(cluster, tmp_path):
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]  # room for this server's worker and the one it adds
+    cluster.wait_for_nodes()
+    steps = tmp_path / "steps.jsonl"
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--workers", "1", "--ray-address", cluster.address,
+                           "--sim-step-ms", "60", "--max-seqs", "4", "--autoscale-max-workers", "2",
+                           "--autoscale-queue-age-s", "0.5", "--autoscale-cooldown-s", "3", "--autoscale-settle-s", "1",
+                           "--step-log", str(steps), "--log-level", "INFO").start()
+    try:
+        async def burst():
+            async with AsyncClient(server.address) as client:
+                async def one(i: int):
+                    return [d async for d in client.generate(token_ids=[3 + i, 5, 7], max_tokens=TOKENS,
+                                                             ignore_eos=True, traffic_class="bulk")]
+
+                return await asyncio.gather(*(one(i) for i in range(48)))
+
+        for deltas in asyncio.run(burst()):
+            assert_whole(deltas)
+        added = re.findall(r"autoscale: adding worker (\d+)", server.output())
+        assert added, server.output()[-3000:]
+        new = int(added[0])
+        assert new in placements(server), "the added worker did not start on a Ray node"
+        log = [json.loads(line) for line in steps.read_text().splitlines()]
+        assert any(s["worker"] == new and s["batch"] > 0 for s in log), "the added actor took no work"
+        assert wait_until(lambda: "autoscale: removing worker" in server.output(), timeout=60)
+        assert wait_until(lambda: "stopped after removal" in server.output(), timeout=60)  # the actor ended
+    finally:
+        server.stop()
+        for node in nodes:
+            cluster.remove_node(node)
+
+
 def test_the_real_engine_in_a_ray_actor_answers_as_the_float32_reference_does(cluster):
     from tokenline.engine.models import resolve_model
     from tests.greedy import Float32Judge
