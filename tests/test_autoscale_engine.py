@@ -90,7 +90,7 @@ def test_real_vllm_workers_a_step_of_load_adds_one_that_serves_and_it_goes_after
         async def long_burst():  # long enough that a worker loading vLLM (tens of seconds here) still finds a queue
             async with AsyncClient(server.address) as client:
                 async def one(i: int):
-                    return [d async for d in client.generate(token_ids=[3 + i, 5, 7], max_tokens=300,
+                    return [d async for d in client.generate(token_ids=[3 + i, 5, 7], max_tokens=500,
                                                              ignore_eos=True, traffic_class="bulk")]
 
                 return await asyncio.gather(*(one(i) for i in range(48)))
@@ -101,7 +101,7 @@ def test_real_vllm_workers_a_step_of_load_adds_one_that_serves_and_it_goes_after
             for d in deltas:
                 assert d.index == position
                 position += len(d.token_ids)
-            assert position == 300
+            assert position == 500
         added = [line for line in decisions(server) if "adding worker" in line]
         assert added, server.output()[-3000:]
         new_worker = int(re.search(r"adding worker (\d+)", added[0]).group(1))

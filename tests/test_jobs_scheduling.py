@@ -61,12 +61,18 @@ def test_one_tenants_backlog_does_not_queue_another_tenants_job(tmp_path):
                            "--idempotency-db", "off").start()
     try:
         with Client(server.address, api_key=KEY_A) as a, Client(server.address, api_key=KEY_B) as b:
-            backlog = [a.submit_job(f"a's job {i}", max_tokens=40, ignore_eos=True).job_id for i in range(30)]
+            backlog = [a.submit_job(f"a's job {i}", max_tokens=200, ignore_eos=True).job_id for i in range(30)]
             late = b.submit_job("b's only job", max_tokens=40, ignore_eos=True)
             watch_to_end(b, late.job_id)
-            done_of_a = sum(a.get_job(j).state == "succeeded" for j in backlog)
-        # b's job was submitted after all 30 of a's; taking turns, it runs with a's next ones.
-        assert done_of_a <= 6, f"{done_of_a} of a's 30 jobs finished before b's one job"
+            done = b.get_job(late.job_id)
+            a_jobs = [a.get_job(j) for j in backlog]
+        # Timed by the store's own clock: a's jobs still waiting when b's was submitted, and those of them
+        # that finished before b's did. Taking turns, b's job starts at the next free slot: at most the two
+        # running then and one beside it finish first; first come, first served, every one of a's would.
+        waiting = [j for j in a_jobs if not j.finished_unix_ms or j.finished_unix_ms > late.created_unix_ms]
+        before_b = [j for j in waiting if j.finished_unix_ms and j.finished_unix_ms <= done.finished_unix_ms]
+        assert len(waiting) >= 10, f"only {len(waiting)} of a's jobs were left when b's came: nothing to overtake"
+        assert len(before_b) <= 4, f"{len(before_b)} of a's {len(waiting)} waiting jobs finished before b's one job"
     finally:
         server.stop()
 
