@@ -10,15 +10,18 @@ from tokenline.server.idempotency import IdempotencyStore
 
 
 def test_the_drain_history_keeps_only_its_window_however_many_requests_finish():
-    # 20,000 requests without deadlines over 200 virtual seconds; nothing reads the drain rate.
+    # 20,000 requests without deadlines, arriving a little faster than one small worker finishes them, so
+    # the model is full (the drain history records only then) on and off for ~25 virtual seconds.
     config = SchedulerConfig(drain_window_s=10.0)
-    sim = Simulation(config, [(worker_spec(0, max_seqs=64, continuous=True), linear_cost(0.002, 0.0001))])
-    out = sim.run([SimRequest(f"r{i}", i * 0.01, max_tokens=2) for i in range(20_000)])
+    sim = Simulation(config, [(worker_spec(0, max_seqs=4, continuous=True), linear_cost(0.002, 0.0001))])
+    out = sim.run([SimRequest(f"r{i}", i * 0.00125, max_tokens=2) for i in range(20_000)])
 
     assert sum(o.status == "finished" for o in out.values()) == 20_000
-    drained = sim.scheduler.models["sim"].drained
-    assert len(drained) <= 10.0 / 0.01 + 64  # one window of finishes at most, not one per request ever
+    model = sim.scheduler.models["sim"]
+    drained, spans = model.drained, model.full_spans
+    assert drained and len(drained) <= 10.0 / 0.002 * 4  # one window of finishes at most, not one per request ever
     assert drained[-1][0] - drained[0][0] <= 10.0
+    assert len(spans) <= 10.0 / 0.002 and all(end >= drained[-1][0] - 10.0 - 1.0 for _, end in spans)
 
 
 def test_expired_idempotency_rows_are_purged_while_the_server_runs(tmp_path, monkeypatch):

@@ -104,3 +104,21 @@ def test_prompts_waiting_for_their_format_to_compile_are_still_owed_so_a_compili
 
     assert admitted_on_empty_reports(stalled=512) == 0  # the first two prompts fill its budget until they run
     assert admitted_on_empty_reports(stalled=0) >= 5  # unreported, it takes more on every empty report
+
+
+def test_a_burst_after_an_idle_spell_is_not_refused_for_its_deadline_by_what_the_idle_model_happened_to_finish():
+    # Found by `bench poison` on the real engine: one 4-token request, then 16 at once with a 600 s deadline,
+    # and 12 were refused "estimated at 748 s": the drain rate was the little the idle model was asked for.
+    # A drain rate counts only what finishes while the model is full; an idle model has given no evidence.
+    from tokenline.engine.types import TrafficClass
+
+    a = (worker_spec(0, max_seqs=4, continuous=True), linear_cost(0.02, 0.002))
+    b = (worker_spec(1, max_seqs=4, continuous=True), linear_cost(0.02, 0.002))
+    sim = simulation(a, b)
+    warm = SimRequest("warm", 0.0, prompt_tokens=3, max_tokens=4)
+    burst = [SimRequest(f"b{i}", 2.0, max_tokens=128, cls=TrafficClass.BULK, deadline=602.0) for i in range(16)]
+    out = sim.run([warm, *burst])
+    assert [k for k, o in out.items() if o.status != "finished"] == []
+    # Full, the model does give evidence: its drain rate is what it finished per second full.
+    rate = sim.scheduler._drain_rate(sim.scheduler.models["sim"], 2.0 + 5.0)
+    assert rate > 0

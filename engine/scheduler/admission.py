@@ -129,11 +129,20 @@ class AdmissionControl:
         return max(start, now)
 
     def _drain_rate(self, model: ModelState, now: float) -> float:
-        """Tokens (prompt + generated) of finished requests per second, over the drain window."""
+        """Tokens (prompt + generated) the model finishes per second while it is full, over the drain window;
+        0 (no evidence) until it has been full for a tenth of the window. A model that was mostly idle
+        finished only what it was asked: that rate says nothing of how fast it drains a queue."""
         window = self.config.drain_window_s
-        while model.drained and model.drained[0][0] < now - window:
+        start = now - window
+        while model.drained and model.drained[0][0] < start:
             model.drained.popleft()
-        return sum(t for _, t in model.drained) / window
+        spans = list(model.full_spans)
+        if model.no_capacity_since is not None:
+            spans.append((model.no_capacity_since, now))
+        full_s = sum(max(min(end, now) - max(begin, start), 0.0) for begin, end in spans)
+        if full_s < 0.1 * window:
+            return 0.0
+        return sum(t for _, t in model.drained) / full_s
 
     def _retry_after(self, model: ModelState, tokens: int, now: float) -> float:
         rate = self._drain_rate(model, now)

@@ -701,9 +701,11 @@ class Scheduler(AdmissionControl):
         transition(e, Status.FINISHED)
         if e.cls == TrafficClass.BULK:
             self.models[e.model].saw_bulk(e.prompt_tokens, e.generated)
-        drained = self.models[e.model].drained
-        drained.append((now, e.prompt_tokens + e.generated))
-        while drained[0][0] < now - self.config.drain_window_s:  # bounded by its window, whoever reads it
+        model = self.models[e.model]
+        drained = model.drained
+        if model.no_capacity_since is not None:  # finished while the model was full: its capacity at work
+            drained.append((now, e.prompt_tokens + e.generated))
+        while drained and drained[0][0] < now - self.config.drain_window_s:  # bounded by its window, whoever reads it
             drained.popleft()
         self._forget(e)
 
@@ -725,6 +727,9 @@ class Scheduler(AdmissionControl):
         has_room = any(self.workers[w].accepting() and not self._budget(self.workers[w]).exhausted for w in model.workers)
         if has_room and model.no_capacity_since is not None:
             model.no_capacity_total += now - model.no_capacity_since
+            model.full_spans.append((model.no_capacity_since, now))
+            while model.full_spans[0][1] < now - self.config.drain_window_s:
+                model.full_spans.popleft()
             model.no_capacity_since = None
         elif not has_room and model.no_capacity_since is None:
             model.no_capacity_since = now

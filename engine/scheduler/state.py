@@ -76,7 +76,11 @@ class ModelState:
     # Integral over time of "no worker of this model has room" (for the queueing split).
     no_capacity_total: float = 0.0
     no_capacity_since: float | None = None
-    drained: deque = field(default_factory=deque)  # (time, tokens) of finished requests
+    # What the model finishes when it is full: (time, tokens) of requests that finished while no worker had
+    # room, and the recent (start, end) spans with no room. Their ratio is the model's drain rate; a rate
+    # taken over idle time would be the demand, not the capacity.
+    drained: deque = field(default_factory=deque)
+    full_spans: deque = field(default_factory=deque)
     # Prompt tokens an interactive arrival is expected to bring (moving average of those seen;
     # the prior until one has come): what the TTFT guard keeps room for.
     interactive_prompt_tokens: float = 128.0
