@@ -295,6 +295,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     jb = sub.add_parser("jobs", help="durable jobs through a frontend SIGKILL: jobs lost, completed twice, takeover time",
                         epilog=jobs.EXAMPLES, formatter_class=_formatter)
     jobs.add_arguments(jb)
+    from tokenline.bench import poison
+
+    pz = sub.add_parser("poison", help="one poison request in a batch: what the innocents and newcomers pay, beside a crash-free batch",
+                        epilog=poison.EXAMPLES, formatter_class=_formatter)
+    poison.add_arguments(pz)
     return bench
 
 

@@ -51,6 +51,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return jobs.run_command(args)
 
 
+def cmd_poison(args: argparse.Namespace) -> int:
+    from tokenline.bench import poison
+
+    return poison.run_command(args)
+
+
 def dispatch(args: argparse.Namespace) -> int:
     from tokenline.bench.runner import LoadGeneratorBehind
     from tokenline.bench.servers import ServerStartError
@@ -58,7 +64,7 @@ def dispatch(args: argparse.Namespace) -> int:
     command = {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare, "features": cmd_features, "doors": cmd_doors,
                "structured": cmd_structured, "mixed": cmd_mixed, "simulate": cmd_simulate,
                "loadgen": cmd_loadgen, "chaos": cmd_chaos, "fuzz": cmd_fuzz, "web": cmd_web,
-               "ray-capacity": cmd_ray_capacity, "jobs": cmd_jobs}[args.bench_command]
+               "ray-capacity": cmd_ray_capacity, "jobs": cmd_jobs, "poison": cmd_poison}[args.bench_command]
     try:
         return command(args)
     except (UsageError, PromptError, ValueError) as e:

@@ -51,6 +51,49 @@ def test_after_one_crash_the_survivors_run_again_together_and_new_work_joins_the
     assert admitted(s.submit(entry("new"))) == ["new"]  # and new work is not kept waiting
 
 
+def test_with_two_workers_a_crashs_survivors_wait_for_a_worker_that_leaves_the_other_clean():
+    # bench poison on the real engine: the survivors of worker 0's crash went to worker 1, the poison among
+    # them killed it too, and for a restart's time no worker served (98 newcomers refused UNAVAILABLE).
+    s = scheduler()
+    s.add_worker(spec(0))
+    s.add_worker(spec(1))
+    first = admitted(sum((s.submit(entry(f"r{i}")) for i in range(16)), []))
+    on_0 = [k for k in first if s.entries[k].worker_id == 0]
+    assert on_0 and len(on_0) < 16
+
+    s.worker_lost(0)
+    assert all(s.entries[k].worker_id is None for k in on_0)  # not onto worker 1, the last clean one
+    assert admitted(s.submit(entry("new"))) == ["new"]  # which newcomers still get at once
+    assert sorted(admitted(s.add_worker(spec(2)))) == sorted(on_0)  # the replacement takes them, together
+    assert {s.entries[k].worker_id for k in on_0} == {2}  # the fresh worker, not the one full of innocents
+    assert admitted(s.submit(entry("new2"))) == ["new2"]
+    assert s.entries["new2"].worker_id == 1  # new work goes to the clean worker
+
+    # They crash again: suspects now. Worker 1 is the only one up (idle: its work is done), and worker 2 is
+    # being restarted: the suspects wait for it, and worker 1 goes on serving.
+    for k in [k for k, e in s.entries.items() if e.worker_id == 1]:
+        s.cancel(k)
+    s.worker_lost(2)
+    assert all(s.entries[k].worker_id is None for k in on_0)
+    assert admitted(s.submit(entry("new3"))) == ["new3"]
+    assert len(admitted(s.add_worker(spec(3)))) == (len(on_0) + 1) // 2  # a group, on the replacement
+    assert s.entries["new3"].worker_id == 1
+
+
+def test_survivors_waiting_for_a_replacement_that_never_comes_take_the_last_worker_after_the_wait():
+    s = scheduler()
+    s.add_worker(spec(0))
+    s.add_worker(spec(1))
+    first = admitted(sum((s.submit(entry(f"r{i}")) for i in range(16)), []))
+    on_0 = [k for k in first if s.entries[k].worker_id == 0]
+    s.worker_lost(0)
+    wake = s.next_wakeup()
+    assert wake is not None and wake == s.config.survivors_wait_s  # queued at 0.0 (virtual time)
+    s.clock.now = wake
+    assert sorted(admitted(s.on_timer())) == sorted(on_0)
+    assert {s.entries[k].worker_id for k in on_0} == {1}
+
+
 def crashed_twice(s: Scheduler, n: int) -> list[str]:
     """n requests that were running at two crashes: suspects now."""
     s.add_worker(spec(0))

@@ -94,6 +94,11 @@ class SchedulerConfig:
     # next crash names it). One crash alone blames no one: its innocent neighbours, and new work,
     # keep running together.
     isolate_after_crashes: int = 2
+    # A crash's survivors never take the last clean worker of a model with several: they rerun on a worker
+    # that leaves another free of crashed runs (so a poison among them cannot take every worker down and
+    # newcomers always have one), waiting for the crashed worker's replacement if need be, but no longer
+    # than this (a replacement that never comes must not hold them for ever).
+    survivors_wait_s: float = 60.0
     # A request is quarantined when a worker dies while it runs alone (isolated), or after this
     # many crashes in all.
     quarantine_after_crashes: int = 3

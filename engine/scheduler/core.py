@@ -98,6 +98,8 @@ class Scheduler(AdmissionControl):
         model.last_spec = spec
         if spec.worker_id not in model.workers:
             model.workers.append(spec.worker_id)
+            if model.replacements_due:
+                model.replacements_due.pop(0)
         return self._dispatch(spec.model)
 
     def worker_lost(self, worker_id: int) -> list[Action]:
@@ -110,6 +112,8 @@ class Scheduler(AdmissionControl):
         now = self.clock()
         actions: list[Action] = []
         alone = len(w.running) == 1
+        if w.running:  # a crash (a removed worker is idle): the supervisor restarts it
+            model.replacements_due.append(now)
         suspects: list[Entry] = []
         for e in list(w.running.values()):
             was_isolated = self._isolated(e)
@@ -131,6 +135,8 @@ class Scheduler(AdmissionControl):
                 e.attempt += 1
                 if self._isolated(e):
                     suspects.append(e)
+                elif model.workers:  # others still serve: one of them stays clean (see _admit_survivors)
+                    self._enqueue(e, now, survivor=True)
                 else:
                     self._enqueue(e, now, front=True)
                 actions.append(Retry(e.key, e.attempt))
@@ -284,6 +290,7 @@ class Scheduler(AdmissionControl):
         times = [self._deadlines[0][0]] if self._deadlines else []
         for name, model in self.models.items():
             decided = self._decided_at.get(name, -math.inf)
+            times += [t for e in model.survivors if (t := e.queued_since + self.config.survivors_wait_s) > decided]
             for cls in CLASSES:
                 t = self._rule_fires_at(name, model, cls)
                 if t is not None and t > decided:
@@ -319,6 +326,8 @@ class Scheduler(AdmissionControl):
         actions: list[Action] = []
         if model.suspects:
             self._admit_suspects(model, r, now)
+        if model.survivors:
+            self._admit_survivors(model, r, now)
         while any([self._admit_class(model_name, model, cls, r, now, actions) for cls in CLASSES]):  # both classes every pass
             pass
         for wid in workers:
@@ -342,11 +351,12 @@ class Scheduler(AdmissionControl):
             return any(self._isolated(e) for e in self.workers[wid].running.values()) or \
                 any(self._isolated(self.entries[a.key]) for a in r.admitted[wid])
 
+        several = len(r.workers) + self._replacements_due(model, now) > 1
         for group in dict.fromkeys(e.suspect_group for e in model.suspects):
             free = [wid for wid in r.workers if idle(wid)]
             busy = sum(1 for wid in r.workers if diagnosing(wid))
-            if not free or (len(r.workers) > 1 and busy + 1 >= len(r.workers)):
-                return
+            if not free or (several and busy + 1 >= len(r.workers)):
+                return  # (a model of several with one worker up, the others restarting: that one serves)
             wid = free[0]
             w, budget = self.workers[wid], r.budgets[wid]
             for e in [e for e in model.suspects if e.suspect_group == group]:
@@ -356,6 +366,37 @@ class Scheduler(AdmissionControl):
                 self._dequeue(e, admitted=True)
                 r.admitted[wid].append(self._admit(e, w, now))
             r.open[wid] = False
+
+    def _admit_survivors(self, model: ModelState, r: _Round, now: float) -> None:
+        """A crash's survivors, each where its first token comes soonest among the workers that leave another
+        worker of the model clean (no crashed run on it): were a poison among them, its next crash takes one
+        worker, never all, and newcomers keep one. Past `survivors_wait_s` (the crashed worker's replacement
+        has not come), any worker."""
+        for e in list(model.survivors):
+            waited_out = now - e.queued_since >= self.config.survivors_wait_s
+            candidates = [wid for wid in r.workers if r.open[wid]
+                          and (waited_out or any(not self._holds_crashed(o, r) for o in r.workers if o != wid))
+                          and self._can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
+            if not candidates:
+                continue
+            # Where the fewest would share a next crash (a fresh replacement, rather than a worker full of
+            # innocents), then where the first token comes soonest.
+            wid = min(candidates, key=lambda i: (len(self.workers[i].running) + len(r.admitted[i]),
+                                                 self._first_token_at(e, self.workers[i], now)))
+            r.budgets[wid].try_admit(e)
+            self._dequeue(e, admitted=True)
+            r.admitted[wid].append(self._admit(e, self.workers[wid], now))
+
+    def _holds_crashed(self, wid: int, r: _Round) -> bool:
+        """Does the worker run (or get this round) a request that was running at a crash?"""
+        return any(x.crashes for x in self.workers[wid].running.values()) or \
+            any(self.entries[a.key].crashes for a in r.admitted[wid])
+
+    def _replacements_due(self, model: ModelState, now: float) -> int:
+        """Workers of the model that died holding work and are being restarted (for survivors_wait_s at most)."""
+        while model.replacements_due and model.replacements_due[0] < now - self.config.survivors_wait_s:
+            model.replacements_due.pop(0)
+        return len(model.replacements_due)
 
     def _admit_class(self, model_name: str, model: ModelState, cls: TrafficClass, r: _Round, now: float,
                      actions: list[Action]) -> bool:
@@ -370,7 +411,8 @@ class Scheduler(AdmissionControl):
                           and self._can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
             if not candidates:
                 return moved  # the head fits nowhere now: it keeps its place
-            wid = min(candidates, key=lambda i: self._first_token_at(e, self.workers[i], now))
+            # A worker running a crash's survivors may crash again: new work goes to a clean one if it can.
+            wid = min(candidates, key=lambda i: (self._holds_crashed(i, r), self._first_token_at(e, self.workers[i], now)))
             w = self.workers[wid]
             if self._cannot_complete(e, w, now):
                 self._dequeue(e)  # it asked to finish by its deadline, and no longer can
@@ -671,24 +713,27 @@ class Scheduler(AdmissionControl):
             self.models[name] = ModelState(queues={cls: ClassQueue(weight) for cls in CLASSES})
         return self.models[name]
 
-    def _enqueue(self, e: Entry, now: float, *, front: bool = False) -> None:
+    def _enqueue(self, e: Entry, now: float, *, front: bool = False, survivor: bool = False) -> None:
         """Queue `e`; its arrival time stays what it was (a requeue keeps its age). A suspect waits
-        with its group, apart from the class queues."""
+        with its group, and a crash's survivor with the others, apart from the class queues."""
         model = self._model(e.model)
         e.queued_since = now
         e.no_capacity_at_enqueue = self._no_capacity_integral(model, now)
         if self._isolated(e):
             model.suspects.append(e)
+        elif survivor:
+            model.survivors.append(e)
         else:
             model.queues[e.cls].push(e, front=front)
         self._tenant_queued_tokens[e.tenant] += e.cost
 
     def _dequeue(self, e: Entry, *, admitted: bool = False) -> None:
         model = self.models[e.model]
-        if e in model.suspects:
-            model.suspects.remove(e)
-            self._tenant_queued_tokens[e.tenant] -= e.cost
-            return
+        for aside in (model.suspects, model.survivors):
+            if e in aside:
+                aside.remove(e)
+                self._tenant_queued_tokens[e.tenant] -= e.cost
+                return
         queue = model.queues[e.cls]
         if admitted:
             queue.pop_admitted(e)

@@ -73,6 +73,11 @@ class ModelState:
     # Suspects waiting to rerun, by group: kept out of the class queues, so a group waiting for an
     # idle worker never holds up the requests queued behind it.
     suspects: list[Entry] = field(default_factory=list)
+    # A crash's survivors waiting for a worker that leaves another clean (SchedulerConfig.survivors_wait_s),
+    # also apart from the class queues, so that newcomers go ahead to the clean worker meanwhile.
+    survivors: list[Entry] = field(default_factory=list)
+    # When workers died holding work (the supervisor restarts them): replacements due, oldest first.
+    replacements_due: list[float] = field(default_factory=list)
     # Integral over time of "no worker of this model has room" (for the queueing split).
     no_capacity_total: float = 0.0
     no_capacity_since: float | None = None
