@@ -117,6 +117,7 @@ class SimBackend:
         self._rejected: dict[str, str] = {}
         self.plan = StepPlan()
         self._paused = 0  # bulk sequences the plan held back in the last step
+        self._applied_bulk_decode: int | None = None  # the plan's bulk limit, when it applied to the last step
 
     def spec(self) -> WorkerSpec:
         return WorkerSpec(
@@ -191,6 +192,8 @@ class SimBackend:
             aborted=self._aborted,
             rejected=self._rejected,
             paused=self._paused,
+            plan_bulk_decode=self._applied_bulk_decode,
+            bulk_decoded=sum(1 for seq in batch if seq.item.priority != 0 and seq.item.key not in prefill),
         )
         self._aborted, self._rejected = [], {}
         return report
@@ -237,6 +240,7 @@ class SimBackend:
         step computes at most `prefill_tokens` prompt tokens besides one token per sequence; with
         none in, every sequence runs and at most `guard_prefill_tokens` prompt tokens are computed."""
         self._paused = 0
+        self._applied_bulk_decode = None
         plan = self.plan
         if not any(s.item.priority == 0 for s in itertools.chain(running, self.waiting)):
             if plan.guard_prefill_tokens is not None:  # no interactive sequence: only the TTFT guard
@@ -253,6 +257,7 @@ class SimBackend:
             keep = keep + [s for s in bulk if s not in decoding]
         paused = set(bulk) - set(keep)
         running = [s for s in running if s not in paused]
+        self._applied_bulk_decode = plan.bulk_decode
         self._paused = len(paused)
         if plan.prefill_tokens is not None:
             budget = min(budget, len(running) + plan.prefill_tokens)

@@ -200,6 +200,11 @@ class StepReport:
     # Prompt tokens of admitted requests the engine cannot schedule yet: their structured-output format is
     # still compiling. Still owed: a step that ran without them is no sign the worker has room for more.
     stalled_prompt_tokens: int = 0
+    # The step plan this step ran under, as the worker applied it (a plan sent after a report takes effect a
+    # step or more later): its bulk decode limit (None: no limit applied this step), and the bulk sequences
+    # that decoded a token in the step, so that a log shows the limit held.
+    plan_bulk_decode: int | None = None
+    bulk_decoded: int = 0
 
 
 # Messages from the frontend to a worker.

@@ -53,6 +53,7 @@ class VllmBackend:
         reference, self.self_check = self._reference()
         self.full_step_s = 0.0  # a step of a whole prefill budget, timed in the self-check
         self.engine, self.execution = _build_engine(config, worker_id)
+        self.kernel.read_from(self.engine)
         self.view = _SchedulerView(self.engine)
         self.view.generators = _rewindable_generators_on_cpu(self.engine)
         import vllm
@@ -230,6 +231,8 @@ class VllmBackend:
             aborted=self._aborted,
             rejected=self._rejected,
             paused=scheduled.paused if scheduled is not None else 0,
+            plan_bulk_decode=scheduled.plan_bulk_decode if scheduled is not None else None,
+            bulk_decoded=scheduled.bulk_decoded if scheduled is not None else 0,
             stalled_prompt_tokens=self.view.compiling_prompt_tokens(),
         )
         self._aborted, self._rejected = [], {}
@@ -450,6 +453,7 @@ class KernelChoice:
         self.requested = requested
         self.chosen: str | None = None  # recorded when vLLM asks, while the engine is built
         self.note = ""
+        self.running: set[str] = set()  # read from the built engine's attention layers
         try:
             import vllm
             from vllm.v1.attention.backends import cpu_attn
@@ -464,10 +468,46 @@ class KernelChoice:
     def _record(self, kernel: str, why: str) -> None:
         self.chosen, self.note = kernel, why
 
+    def read_from(self, engine: Any) -> None:
+        """The kernel the built engine's attention layers hold (vLLM sets `layer.isa` on each, and passes it to
+        every attention op): what runs, read from the engine rather than from what our wrapper returned."""
+        self.running = _attention_isas(engine)
+        if self.running and self.chosen is not None and self.running != {self.chosen}:
+            log.warning("the engine's attention layers run %s, not the %s chosen", "/".join(sorted(self.running)), self.chosen)
+
     def describe(self) -> str:
-        if self.chosen is None:
+        if self.running:
+            kernel = "/".join(sorted(self.running))
+        elif self.chosen is None:
             return "engine default" if self.requested in ("auto", "vllm") else self.requested
-        return f"{self.chosen} ({self.note})" if self.note else self.chosen
+        else:
+            kernel = f"{self.chosen}?"  # chosen, but the engine's layers could not be read
+        return f"{kernel} ({self.note})" if self.note else kernel
+
+
+def _attention_isas(engine: Any) -> set[str]:
+    """The `isa` of each attention layer of an in-process vLLM engine (empty when not readable: another
+    build, or the model runs in another process)."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+    except ImportError:
+        try:
+            from vllm.attention.layer import Attention  # type: ignore[no-redef]
+            from vllm.config import get_layers_from_vllm_config
+        except ImportError:
+            return set()
+    configs = [engine.vllm_config]
+    try:
+        configs.insert(0, engine.engine_core.engine_core.model_executor.driver_worker.worker.vllm_config)
+    except AttributeError:
+        pass
+    for vllm_config in configs:
+        layers = get_layers_from_vllm_config(vllm_config, Attention)
+        isas = {str(isa) for layer in layers.values() if (isa := getattr(layer, "isa", None)) is not None}
+        if isas:
+            return isas
+    return set()
 
 
 @contextlib.contextmanager
@@ -633,6 +673,8 @@ class _Scheduled:
     prefill_tokens: int
     new_request_ids: list[str] = field(default_factory=list)
     paused: int = 0  # running bulk sequences the step plan held back
+    plan_bulk_decode: int | None = None  # the plan's bulk decode limit, when it applied to this step
+    bulk_decoded: int = 0  # bulk (priority != 0) sequences that decoded a token
 
 
 class _SchedulerView:
@@ -656,6 +698,7 @@ class _SchedulerView:
         self.engine = engine
         self.scheduled: _Scheduled | None = None
         self.plan = StepPlan()
+        self._applied_bulk_decode: int | None = None  # the plan's bulk limit as applied to the step being scheduled
         # Structured-output requests (vLLM's id) whose grammar is compiling: (added at, the delivered
         # tokens to replay over it once compiled, for a continuation).
         self.grammars: dict[str, tuple[float, list[int]]] = {}
@@ -698,6 +741,7 @@ class _SchedulerView:
             try:
                 self.scheduled = _summarise(scheduler, out)
                 self.scheduled.paused = len(paused)
+                self.scheduled.plan_bulk_decode = self._applied_bulk_decode
             except Exception:  # never let bookkeeping break a step
                 log.exception("could not read the scheduler's output")
             return out
@@ -736,6 +780,7 @@ class _SchedulerView:
         """Apply the plan to this step: (the bulk requests taken out of the running list, the token budget to restore)."""
         budget = scheduler.max_num_scheduled_tokens
         plan = self.plan
+        self._applied_bulk_decode = None
         running = scheduler.running
         if not any(r.priority == 0 for r in running) and not any(r.priority == 0 for r in scheduler.waiting):
             # No interactive request: every sequence decodes; only the TTFT guard caps prompt tokens.
@@ -760,6 +805,7 @@ class _SchedulerView:
             keep = keep + [r for r in bulk if r not in decoding]
         kept = set(map(id, keep))
         paused = [r for r in bulk if id(r) not in kept]
+        self._applied_bulk_decode = plan.bulk_decode
         if paused:
             scheduler.running = interactive + keep
         if plan.prefill_tokens is not None:
@@ -768,7 +814,7 @@ class _SchedulerView:
 
 
 def _summarise(scheduler: Any, out: Any) -> _Scheduled:
-    prefill = 0
+    prefill = bulk_decoded = 0
     for req_id, n in out.num_scheduled_tokens.items():
         req = scheduler.requests.get(req_id)
         if req is None:
@@ -778,8 +824,11 @@ def _summarise(scheduler: Any, out: Any) -> _Scheduled:
         # (a prompt chunk, or recomputation after preemption).
         if before < max(req.num_prompt_tokens, req.num_tokens - 1):
             prefill += n
+        elif req.priority != 0:
+            bulk_decoded += 1
     return _Scheduled(
         batch_size=len(out.num_scheduled_tokens),
         prefill_tokens=prefill,
         new_request_ids=[r.req_id for r in out.scheduled_new_reqs],
+        bulk_decoded=bulk_decoded,
     )

@@ -56,3 +56,20 @@ def test_the_tiny_model_passes_its_self_check_and_says_which_kernel_and_dtype_it
     assert info.dtype == choose_dtype("auto")[0]  # bf16 with AVX-512 or AMX, float32 on AVX2 alone
     # The kernel vLLM's chooser returned through our wrapper: "engine default" would mean the wrapper never ran.
     assert info.attention_kernel.split(" ")[0] in ("vec", "vec16", "amx", "neon"), info.attention_kernel
+    # Read from the engine's own attention layers (vLLM hands `layer.isa` to every attention op), not from
+    # what our wrapper of vLLM's chooser returned: a trailing "?" means the layers could not be read.
+    assert "?" not in info.attention_kernel.split(" ")[0], info.attention_kernel
+
+
+def test_a_forced_attention_kernel_is_the_one_the_engine_layers_run_and_it_passes_the_self_check():
+    # vec16 runs any block size and head size (vLLM's own fallback), so it can be forced on every x86 CPU;
+    # on this model vLLM would choose otherwise ("vec" or "amx"), so the layers show whether forcing took.
+    server = ServerProcess("--model", "tiny", "--attention-kernel", "vec16", "--max-model-len", "512").start()
+    try:
+        with Client(server.address) as client:
+            info = client.list_models()[0]
+            assert len(client.complete("a forced kernel", max_tokens=8, ignore_eos=True).token_ids) == 8
+    finally:
+        server.stop()
+    assert info.attention_kernel.split(" ")[0] == "vec16", info.attention_kernel
+    assert info.self_check.startswith("passed"), info.self_check

@@ -1,8 +1,10 @@
-"""On the real engine (tiny model): an interactive stream keeps its pace through a bulk flood (issue 15).
+"""On the real engine (tiny model): through a bulk flood, the steps an interactive stream runs in are composed
+as the scheduler planned them (issue 15).
 
-No tight timing: the bound on inter-token latency is generous (machines here are shared and noisy);
-what the step log shows is exact: while the interactive stream runs, bulk sequences are paused in
-the engine and at least one keeps decoding; once it has gone, nothing is held back.
+Exact, from the step log, not from wall time (machines here are shared and noisy; the pace itself is
+`tokenline bench mixed`'s to measure): while the interactive stream runs, bulk sequences are paused in the
+engine, at least one keeps decoding, and no step decodes more bulk sequences than the plan it ran under
+allows; once the stream has gone, nothing is held back. The interactive streams' tokens arrive whole.
 """
 
 from __future__ import annotations
@@ -54,13 +56,20 @@ def test_an_interactive_stream_keeps_its_pace_through_a_bulk_flood(composing_ser
 
     solo, during, bulk = asyncio.run(run())
     assert all(sum(len(d.token_ids) for d in b) == 600 for b in bulk)  # bulk finished, every token once
-    solo_itl = statistics.median(_mean_itl_ms(d) for d in solo)
-    during_itl = statistics.median(_mean_itl_ms(d) for d in during)
-    assert during_itl < 4 * solo_itl + 5, (solo_itl, during_itl)
+    assert all(sum(len(d.token_ids) for d in s) == 48 for s in solo + during)
 
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
     composed = [s for s in steps if s["interactive"] and s["paused"]]
     assert composed, "bulk sequences were never paused while interactive streams ran"
     assert all(s["batch"] > s["interactive"] for s in composed)  # bulk kept decoding beside them
+    # Every step that ran under a bulk limit kept to it, and the limit held bulk below the flood.
+    limited = [s for s in steps if s["plan_bulk"] is not None]
+    assert limited and all(s["plan_bulk"] < BULK for s in limited)
+    broken = [s for s in limited if s["bulk_decoded"] > s["plan_bulk"]]
+    assert not broken, f"{len(broken)} of {len(limited)} steps decoded more bulk than their plan allowed: {broken[:3]}"
+    assert all(s["bulk_decoded"] >= 1 for s in composed)
     assert max(s["batch"] for s in steps if not s["interactive"]) >= BULK  # bulk alone ran whole
     assert all(s["paused"] == 0 for s in steps if not s["interactive"])
+    itl = statistics.median(_mean_itl_ms(d) for d in during), statistics.median(_mean_itl_ms(d) for d in solo)
+    print(f"\nstep composition: {len(limited)} steps under a bulk limit (median {statistics.median(s['plan_bulk'] for s in limited)}"
+          f" of {BULK}), none over it; interactive mean ITL during the flood {itl[0]:.1f} ms, alone {itl[1]:.1f} ms")
