@@ -14,7 +14,7 @@ from tokenline.engine.models import resolve_model
 
 pytestmark = pytest.mark.engine
 
-ARGS = ("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "8", "--max-model-len", "1024")
+ARGS = ("--model", "tiny-trained", "--kv-cache-mb", "64", "--max-seqs", "8", "--max-model-len", "1024")
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
 TOKENS = 24
 
@@ -27,7 +27,7 @@ def compiled_server():
 
 
 def test_a_compiled_worker_streams_greedy_tokens_of_the_float32_reference_and_says_it_is_compiled(compiled_server):
-    judge = Float32Judge(resolve_model("tiny"))
+    judge = Float32Judge(resolve_model("tiny-trained"))
     with Client(compiled_server.address) as client:
         info = client.list_models()[0]
         streams = {p: list(client.generate(token_ids=judge.encode(p), max_tokens=TOKENS, temperature=0, ignore_eos=True))

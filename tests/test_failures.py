@@ -19,7 +19,7 @@ MARKER = "POISON-PILL"
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
+    s = ServerProcess("--model", "tiny-trained", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
                       "--fault-marker", MARKER, "--log-level", "WARNING").start()
     yield s
     s.stop()
@@ -53,7 +53,7 @@ def judge():
     from tokenline.engine.models import resolve_model
     from tests.greedy import Float32Judge
 
-    return Float32Judge(resolve_model("tiny"))
+    return Float32Judge(resolve_model("tiny-trained"))
 
 
 async def run_streams(address, prompts, *, kill_after_tokens: int | None = None, kill=None):
@@ -176,7 +176,7 @@ def test_a_poison_request_is_named_by_a_crash_while_alone_and_quarantined_while_
 def test_with_a_standby_worker_a_killed_worker_is_replaced_at_once_and_health_never_drops(judge):
     import re
 
-    s = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
+    s = ServerProcess("--model", "tiny-trained", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
                       "--standby-workers", "1").start()
     try:
         assert wait_until(lambda: "standby worker" in s.output() and "ready" in s.output(), timeout=120)
@@ -204,7 +204,7 @@ def test_with_a_standby_worker_a_killed_worker_is_replaced_at_once_and_health_ne
 def test_a_hung_worker_is_declared_lost_and_its_streams_continue_on_the_standby(judge):
     import re
 
-    s = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
+    s = ServerProcess("--model", "tiny-trained", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
                       "--standby-workers", "1", "--step-watchdog-s", "3").start()
     stopped = None
     try:

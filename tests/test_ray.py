@@ -210,10 +210,10 @@ def test_the_real_engine_in_a_ray_actor_answers_as_the_float32_reference_does(cl
     from tokenline.engine.models import resolve_model
     from tests.greedy import Float32Judge
 
-    judge = Float32Judge(resolve_model("tiny"))
+    judge = Float32Judge(resolve_model("tiny-trained"))
     node = cluster.add_node(num_cpus=1)  # room for one more worker beside the simulated ones
     cluster.wait_for_nodes()
-    server = ServerProcess("--model", "tiny", "--workers", "1", "--ray-address", cluster.address, "--kv-cache-mb", "64",
+    server = ServerProcess("--model", "tiny-trained", "--workers", "1", "--ray-address", cluster.address, "--kv-cache-mb", "64",
                            "--max-seqs", "4", "--max-model-len", "512", "--log-level", "INFO").start()
     try:
         assert placements(server), "the worker did not run on a Ray node"
