@@ -3,6 +3,8 @@
 #   make test  install (once), prepare the default model (once), run the tests
 #   make web   the browser page and the Node client example (needs Node.js and npm; `make run` builds it if it can)
 PYTHON ?= python3
+# Test processes for `make test` (pytest-xdist): two keep this 2-core box busy while tests wait on servers.
+TEST_PROCESSES ?= 2
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tokenline-installed
@@ -63,7 +65,7 @@ run: model web-if-npm
 test: model web chromium
 	@# The tiny test model and its self-check reference, built once before any test server needs them.
 	$(BIN)/python -m tokenline.engine.models prepare --tiny
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not engine" $(PYTEST_ARGS)

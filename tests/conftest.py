@@ -11,6 +11,21 @@ from tests.support import ServerProcess, free_port
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# `make test` runs the tests in two processes (pytest-xdist, --dist loadgroup). A file's tests stay in one
+# process, so its module-scoped server starts once; files that share a costly session server or a stateful
+# outside part share a group, so only one process starts it.
+SHARED_GROUPS = {
+    "test_frontends.py": "postgres", "test_jobs_postgres.py": "postgres", "test_jobstore.py": "postgres",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(item.path.name, item.path.name)))
+
+
 # A small KV cache and a few sequences make admission and preemption observable.
 TINY_ARGS = ("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "2048")
 
