@@ -16,6 +16,7 @@ the poison's answer (FAILED_PRECONDITION, quarantined), worker crashes, and inno
 
     tokenline bench poison                    # 16 streams of 128 tokens on 2 workers
     tokenline bench poison --workers 4 --streams 32 --json
+    tokenline bench poison --standby-workers 1    # a loaded spare replaces each crashed worker at once
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Report:
     streams: int
     max_tokens: int
     workers: int
+    standby_workers: int
     crash_free: Batch
     poisoned: Batch
     innocents_time_ratio: float  # poisoned innocents' wall / crash-free wall
@@ -72,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="workers of the server (default %(default)s)")
     p.add_argument("--model", default="tiny", help="model to serve (default %(default)s)")
+    p.add_argument("--standby-workers", type=int, default=0,
+                   help="loaded spare workers that take a crashed one's place at once (default %(default)s)")
     p.add_argument("--newcomer-every-s", type=float, default=0.5,
                    help="a short interactive request arrives this often during each batch (default %(default)s)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up on a batch after this long")
@@ -95,7 +99,7 @@ def _ms(s: float | None) -> str:
 def describe(r: Report) -> str:
     c, p = r.crash_free, r.poisoned
     return "\n".join([
-        f"poison: {r.streams} streams of {r.max_tokens} tokens on {r.workers} workers; newcomers "
+        f"poison: {r.streams} streams of {r.max_tokens} tokens on {r.workers} workers ({r.standby_workers} standby); newcomers "
         f"{len(c.newcomer_ttft_s)} / {len(p.newcomer_ttft_s)}",
         f"  crash-free batch   {c.wall_s:6.1f} s   completed {c.completed}/{c.innocents}",
         f"  poisoned batch     {p.wall_s:6.1f} s   innocents completed {p.completed}/{p.innocents}   "
@@ -164,15 +168,15 @@ async def _all_workers_ready(server: Server, workers: int, timeout: float) -> No
 async def bench(args: argparse.Namespace) -> Report:
     server = Server(["--model", args.model, "--compile", "off", "--workers", str(args.workers), "--threads", "1",
                      "--kv-cache-mb", "128", "--max-model-len", "1024", "--max-seqs", str(max(8, args.streams)),
-                     "--fault-marker", MARKER])
+                     "--standby-workers", str(args.standby_workers), "--fault-marker", MARKER])
     try:
         await asyncio.to_thread(server.wait_ready, 600)
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.TokenlineStub(channel)
-            await _all_workers_ready(server, args.workers, 600)
+            await _all_workers_ready(server, args.workers + args.standby_workers, 600)
             await _stream(stub, "warm up", 4, pb.INTERACTIVE, 120)
             clean = await _batch(server, stub, args, poisoned=False)
-            await _all_workers_ready(server, args.workers, 600)
+            await _all_workers_ready(server, args.workers + args.standby_workers, 600)
             bad = await _batch(server, stub, args, poisoned=True)
     finally:
         server.stop()
@@ -183,7 +187,8 @@ async def bench(args: argparse.Namespace) -> Report:
     def p50(xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
 
-    return Report(streams=args.streams, max_tokens=args.max_tokens, workers=args.workers, crash_free=clean, poisoned=bad,
+    return Report(streams=args.streams, max_tokens=args.max_tokens, workers=args.workers,
+                  standby_workers=args.standby_workers, crash_free=clean, poisoned=bad,
                   innocents_time_ratio=bad.wall_s / clean.wall_s,
                   newcomer_ttft_p50_s=(p50(clean.newcomer_ttft_s), p50(bad.newcomer_ttft_s)),
                   newcomer_ttft_max_s=(max(clean.newcomer_ttft_s, default=None), max(bad.newcomer_ttft_s, default=None)))
