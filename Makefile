@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml setup.py requirements/constraints.txt $(wildcard protos
 install: $(STAMP)
 
 model: install
-	$(BIN)/python -m tokenline.engine.models prepare
+	$(BIN)/python -m tokenline.engine.prepare prepare
 
 # The JavaScript side, from protos/ and npm packages (package-lock.json); output in build/, never committed.
 NODE_STAMP := node_modules/.tokenline-installed
@@ -64,7 +64,7 @@ run: model web-if-npm
 
 test: model web chromium
 	@# The tiny test model and its self-check reference, built once before any test server needs them.
-	$(BIN)/python -m tokenline.engine.models prepare --tiny
+	$(BIN)/python -m tokenline.engine.prepare prepare --tiny
 	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: install

@@ -16,6 +16,7 @@ import argparse
 from typing import Any
 
 from tokenline.bench.arrivals import KINDS
+from tokenline.server.flags import serve_defaults
 
 RUN_EXAMPLES = """examples:
   tokenline bench run --rate 4 --duration-s 30
@@ -301,15 +302,6 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         epilog=poison.EXAMPLES, formatter_class=_formatter)
     poison.add_arguments(pz)
     return bench
-
-
-def serve_defaults() -> dict[str, Any]:
-    """`tokenline serve`'s defaults, so that `bench compare` starts every server with the settings users get."""
-    from tokenline.server.cli import add_serve_parser
-
-    parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers())
-    return vars(parser.parse_args(["serve"]))
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:

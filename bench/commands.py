@@ -265,7 +265,7 @@ def cmd_mixed(args: argparse.Namespace) -> int:
 
 def _serve_like_spec(args: argparse.Namespace):  # noqa: ANN202
     """tokenline with its serve defaults, at the workload the arguments give (bench features, bench doors)."""
-    from tokenline.bench.cli import serve_defaults
+    from tokenline.server.flags import serve_defaults
     from tokenline.bench.compare import CompareSpec
     from tokenline.bench.servers import EngineSettings
 

@@ -13,13 +13,11 @@ tokenizers are imported inside the functions that need them. This module never i
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -592,53 +590,3 @@ def _remove_stale_builds(dest: Path) -> None:
 
 def _is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
-
-
-# --- Command line ---------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tokenline.engine.models",
-        description="Build the model folders tokenline serves, once, into a local cache.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  python -m tokenline.engine.models prepare            # SmolLM2-135M-Instruct\n"
-            "  python -m tokenline.engine.models prepare --tiny     # tiny models for tests (random, and trained)\n"
-            "  python -m tokenline.engine.models prepare --cache /tmp/tl\n"
-            "The folder's path is printed on the last line of stdout."
-        ),
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    prepare = commands.add_parser("prepare", help="build a model folder (no-op if already built)")
-    prepare.add_argument("--tiny", action="store_true", help="build the tiny test models instead (random, and trained)")
-    prepare.add_argument(
-        "--cache", type=Path, help="cache folder (default: $TOKENLINE_CACHE or ~/.cache/tokenline)"
-    )
-    args = parser.parse_args(argv)
-
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    try:
-        if args.tiny:
-            from tokenline.engine import selfcheck
-
-            trained = build_tiny_trained_model((args.cache or cache_dir()) / "models" / "tiny-llama-trained")
-            selfcheck.reference_for(trained, args.cache or cache_dir(), log=log)
-            path = build_tiny_model((args.cache or cache_dir()) / "models" / "tiny-llama")
-        else:
-            path = prepare_default_model(args.cache, log=log)
-        from tokenline.engine import selfcheck
-
-        selfcheck.reference_for(path, args.cache or cache_dir(), log=log)
-    except ModelPrepError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -149,9 +149,7 @@ class JobRpcs:
     # ------------------------------------------------------------- helpers
 
     def _job_caller(self, request, context: grpc.aio.ServicerContext, message: str) -> str:
-        from tokenline.server.servicer import MALFORMED
-
-        if request is MALFORMED:
+        if request is convert.MALFORMED:
             raise InvalidRequest(f"the request message could not be parsed as a tokenline.v1.{message}")
         if self.jobs is None:
             raise JobsOff("this server keeps no job store (started with --job-store off); "

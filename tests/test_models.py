@@ -163,7 +163,9 @@ def test_unpermuting_undoes_llama_cpp_rotary_permutation():
 
 
 def test_cli_prints_the_folder_on_the_last_line(tmp_path, capsys):
-    status = models.main(["prepare", "--tiny", "--cache", str(tmp_path)])
+    from tokenline.engine import prepare
+
+    status = prepare.main(["prepare", "--tiny", "--cache", str(tmp_path)])
 
     assert status == 0
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
