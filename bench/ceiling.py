@@ -42,7 +42,7 @@ def build_llm(args: argparse.Namespace):  # noqa: ANN201 - vllm's type, imported
     import torch
     from vllm import LLM
 
-    from tokenline.engine.vllm_backend import COMPILATION_CONFIG, KernelChoice
+    from tokenline.engine.vllm_build import COMPILATION_CONFIG, KernelChoice
 
     if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()

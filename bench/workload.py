@@ -232,7 +232,7 @@ class PlannedRequest:
     json_schema: str | None = None  # the schema's JSON text
     temperature: float = 0.0
     # Not seeded: vllm serve (vLLM 0.32 on a CPU) crashes on a seeded request whose prompt is computed
-    # over several steps (tokenline's worker does not: engine/vllm_backend.py _rewindable_generators_on_cpu).
+    # over several steps (tokenline's worker does not: engine/vllm_schedule_hook.py rewindable_generators_on_cpu).
     seed: int | None = None
 
 

@@ -27,7 +27,13 @@ class Backend(Protocol):
         ...
 
     def set_plan(self, plan: StepPlan) -> None:
-        """Compose coming steps by `plan` while interactive sequences are in the engine (engine/types.py)."""
+        """Apply `plan` to the steps from the next one on: while interactive sequences are in the engine, at most
+        `bulk_decode` bulk sequences decode (the rest pause, keeping their KV) and at most `prefill_tokens`
+        prompt tokens are computed; with none in, only `guard_prefill_tokens` caps a step's prompt tokens
+        (engine/types.py StepPlan). A backend that cannot apply plans ignores them and says so at start-up.
+        Each StepReport names the bulk limit the step ran under (`plan_bulk_decode`). In the vLLM backend the
+        plan takes effect in engine/vllm_schedule_hook.py, inside vLLM's scheduler; the simulator applies it
+        in its own step (engine/sim_backend.py)."""
         ...
 
     def has_work(self) -> bool:

@@ -47,7 +47,7 @@ def wrap_vllm_chooser(cpu_attn: Any, requested: str, vllm_version: str, *, compi
 
     `cpu_attn` is vLLM's `vllm.v1.attention.backends.cpu_attn` module, imported by the caller (this
     module never imports vLLM); `on_choice(kernel, why)` hears each choice. Used by tokenline's worker
-    (engine/vllm_backend.py KernelChoice), the bench's engine ceiling and its `vllm serve` launcher.
+    (engine/vllm_build.py KernelChoice), the bench's engine ceiling and its `vllm serve` launcher.
     """
     vllm_choice = cpu_attn._get_attn_isa
 
@@ -61,7 +61,7 @@ def wrap_vllm_chooser(cpu_attn: Any, requested: str, vllm_version: str, *, compi
     cpu_attn._get_attn_isa = choose
 
 
-# The step plan reorders vLLM's scheduler state between steps (engine/vllm_backend.py's _SchedulerView):
+# The step plan reorders vLLM's scheduler state between steps (engine/vllm_schedule_hook.py's ScheduleHook):
 # checked against these releases' scheduler. On another, plans are ignored unless the operator says
 # otherwise (TOKENLINE_STEP_PLANS=on), since a changed scheduler could lose or starve requests.
 STEP_PLANS_CHECKED_ON = ("0.32.0",)

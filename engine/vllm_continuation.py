@@ -9,7 +9,7 @@ no longer sees as output:
   request's own penalties are set to neutral;
 - a structured-output grammar must stand where the delivered tokens left it: `replay_grammar`
   advances the engine's grammar over them once it is compiled, before the first token is sampled.
-Imported only by engine/vllm_backend.py (the worker side); nothing else here imports vllm.
+Imported only by the worker side (engine/vllm_backend.py and its vllm_* parts); nothing else here imports vllm.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def test_the_default_model_agrees_with_vllm_offline_on_each_feature(eager_server
     from vllm.sampling_params import StructuredOutputsParams
 
     from tokenline.engine.models import resolve_model
-    from tokenline.engine.vllm_backend import KernelChoice
+    from tokenline.engine.vllm_build import KernelChoice
 
     torch.cpu._init_amx()
     KernelChoice("auto", compiled=False)  # the worker's policy: the kernel that answers right, eagerly
