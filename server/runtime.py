@@ -111,7 +111,7 @@ class Runtime:
         view = self.scheduler.workers.get(wid)
         if view is None:
             return 0.0
-        return max(view.estimator.predict_s(view.spec.max_seqs, view.spec.prefill_token_budget), view.spec.full_step_s)
+        return max(view.pace.estimator.predict_s(view.spec.max_seqs, view.spec.prefill_token_budget), view.spec.full_step_s)
 
     def _capacity_changed(self) -> None:
         # A model scaled to zero serves: its requests queue and start a worker.

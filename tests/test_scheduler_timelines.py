@@ -78,8 +78,8 @@ def test_a_new_request_waits_rather_than_slow_a_running_one_past_its_deadline():
     def run(deadline):
         sim = Simulation(config, [(worker_spec(0, max_seqs=8, continuous=True), cost)])
         for _ in range(20):  # it has been measured alone and with two sequences
-            sim.scheduler.workers[0].estimator.observe(1, 0, 20 * MS)
-            sim.scheduler.workers[0].estimator.observe(2, 0, 30 * MS)
+            sim.scheduler.workers[0].pace.estimator.observe(1, 0, 20 * MS)
+            sim.scheduler.workers[0].pace.estimator.observe(2, 0, 30 * MS)
         # R needs 20 steps: 400 ms alone, 600 ms sharing; its deadline is 500 ms.
         return sim.run([SimRequest("R", 0.0, max_tokens=20, deadline=deadline), SimRequest("N", 0.1, max_tokens=5)])
 

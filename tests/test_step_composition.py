@@ -471,4 +471,4 @@ def test_a_prompt_cost_the_fit_has_forgotten_is_still_planned_by_the_cost_measur
 
 def test_the_scheduler_measures_a_workers_prompt_cost_from_its_prompt_steps(composed):
     worker = composed.scheduler.workers[0]
-    assert worker.prefill_token_s == pytest.approx(PER_PREFILL_TOKEN_S, rel=0.35)
+    assert worker.pace.prefill_token_s == pytest.approx(PER_PREFILL_TOKEN_S, rel=0.35)

@@ -79,7 +79,7 @@ class AdmissionControl:
         if not model.workers:
             return self.config.step_time_prior_s
         w = self.workers[model.workers[0]]
-        return w.estimator.step_s(max(len(w.running), 1))
+        return w.pace.estimator.step_s(max(len(w.running), 1))
 
     def _service_estimate(self, model_name: str, e: Entry) -> float:
         """Admission to first token on this model's typical worker."""
@@ -87,7 +87,7 @@ class AdmissionControl:
         if not model.workers:
             return self.config.step_time_prior_s
         w = self.workers[model.workers[0]]
-        return w.estimator.first_token_s(max(len(w.running), 1), e.prompt_tokens)
+        return w.pace.estimator.first_token_s(max(len(w.running), 1), e.prompt_tokens)
 
     def _estimate_start(self, e: Entry, model: ModelState, now: float) -> float:
         """When a slot could be free for `e`, given what runs and what queues ahead of it."""
@@ -160,10 +160,10 @@ class AdmissionControl:
         """
         if not w.spec.continuous:
             return True
-        per_token = w.estimator.prefill_per_token_s
+        per_token = w.pace.estimator.prefill_per_token_s
         owed = self._prefill_owed(w) * per_token
-        current = w.estimator.step_s(len(w.running))
-        slower = w.estimator.step_s(batch)
+        current = w.pace.estimator.step_s(len(w.running))
+        slower = w.pace.estimator.step_s(batch)
         added = prefill_tokens * per_token
         for r in w.running.values():
             if r.deadline is None:
@@ -176,7 +176,7 @@ class AdmissionControl:
         """For work that must finish by its deadline: would it miss it even if it started now?"""
         if not e.must_complete_by_deadline or e.deadline is None:
             return False
-        est = w.estimator
+        est = w.pace.estimator
         finish = (now + (self._prefill_owed(w) + e.prompt_tokens + e.generated) * est.prefill_per_token_s
                   + e.remaining * est.step_s(len(w.running) + 1))
         return finish > e.deadline

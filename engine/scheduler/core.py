@@ -22,17 +22,9 @@ from dataclasses import dataclass
 
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget, blocks_for
-from tokenline.engine.scheduler.composition import (
-    PREFILL_SAMPLE_TOKENS,
-    WorkerLoad,
-    bulk_rate_beside,
-    compose_step,
-    longest_step,
-    step_line,
-    stream_allowance,
-)
 from tokenline.engine.scheduler.config import SchedulerConfig
-from tokenline.engine.scheduler.estimator import StepEstimator
+from tokenline.engine.scheduler.pace import WorkerPace
+from tokenline.engine.scheduler.planner import StepPlanner
 from tokenline.engine.scheduler.queues import ClassQueue
 from tokenline.engine.scheduler.records import (
     Action,
@@ -53,7 +45,6 @@ from tokenline.engine.scheduler.status import FINAL, Status, transition
 from tokenline.engine.types import FinishReason, StepReport, TrafficClass, WorkerSpec
 
 CLASSES = (TrafficClass.INTERACTIVE, TrafficClass.BULK)
-STEP_RATIO_MIN, STEP_RATIO_MAX = 0.5, 2.0  # one step's period over its prediction, as learnt (a stall says little)
 
 
 @dataclass
@@ -73,6 +64,7 @@ class Scheduler(AdmissionControl):
         self.entries: dict[str, Entry] = {}
         self.models: dict[str, ModelState] = {}
         self.workers: dict[int, WorkerView] = {}
+        self.planner = StepPlanner(config)  # what latency targets ask of each worker (engine/scheduler/planner.py)
         self.counters = Counters()
         self._deadlines: list[tuple[float, str]] = []  # heap; stale rows skipped lazily
         self._tenant_inflight: Counter[str] = Counter()
@@ -86,14 +78,10 @@ class Scheduler(AdmissionControl):
     # ------------------------------------------------------------------ events
 
     def add_worker(self, spec: WorkerSpec) -> list[Action]:
-        est = StepEstimator(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)
         old = self.workers.get(spec.worker_id)
-        if old is not None:  # a restarted worker keeps what was learnt of its speed
-            est = old.estimator
-        cadence = old.cadence if old is not None else StepEstimator(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)
-        self.workers[spec.worker_id] = WorkerView(spec=spec, estimator=est, cadence=cadence,
-                                                  isolate_after_crashes=self.config.isolate_after_crashes,
-                                                  step_ratio=old.step_ratio if old is not None else 1.0)
+        pace = old.pace.restarted() if old is not None else \
+            WorkerPace.fresh(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)  # a restart keeps what was learnt
+        self.workers[spec.worker_id] = WorkerView(spec=spec, pace=pace, isolate_after_crashes=self.config.isolate_after_crashes)
         model = self._model(spec.model)
         model.last_spec = spec
         if spec.worker_id not in model.workers:
@@ -199,7 +187,7 @@ class Scheduler(AdmissionControl):
             return result
         now = self.clock()
         self._learn(w, report, now)
-        step = w.estimator.step_s(max(len(w.running), 1))
+        step = w.pace.estimator.step_s(max(len(w.running), 1))
         result.interactive = sum(e.cls == TrafficClass.INTERACTIVE for e in w.running.values())
         result.plan = w.plan
         result.started = [w.running[k].key for k in report.first_scheduled if k in w.running]
@@ -232,29 +220,12 @@ class Scheduler(AdmissionControl):
         return result
 
     def _learn(self, w: WorkerView, report: StepReport, now: float) -> None:
-        """The worker's step time and step period, and which admission batches it has applied."""
+        """The worker's pace, and which admission batches it has applied."""
         w.applied_seq = max(w.applied_seq, report.applied_seq)
-        if w.running and w.last_report_at and report.batch_size:  # busy since its last report: one whole step period
-            period = max(now - w.last_report_at, report.step_s)
-            w.cadence.observe(report.batch_size, report.prefill_tokens, period)
-            if report.batch_size == 1 and not report.prefill_tokens:
-                w.single_step_s = period if w.single_step_s is None else 0.9 * w.single_step_s + 0.1 * period
-            if report.prefill_tokens >= PREFILL_SAMPLE_TOKENS:  # enough prompt in it to tell its cost from noise
-                a, b, _ = step_line(w.cadence, w.single_step_s, report.batch_size)
-                per_token = max(period - (a + b * report.batch_size), 0.0) / report.prefill_tokens
-                w.prefill_token_s = per_token if w.prefill_token_s is None else 0.8 * w.prefill_token_s + 0.2 * per_token
-            if w.plan.limits:  # a planned step: how long such steps really take against the line they are planned by
-                a, b, c = step_line(w.cadence, w.single_step_s, report.batch_size, w.prefill_token_s)
-                predicted = a + b * report.batch_size + c * report.prefill_tokens
-                if predicted > 0:
-                    ratio = min(max(period / predicted, STEP_RATIO_MIN), STEP_RATIO_MAX)
-                    w.step_ratio = 0.8 * w.step_ratio + 0.2 * ratio
-        w.last_report_at = now
-        w.under_way_step_s = w.plan.predicted_step_s
+        w.pace.observe(report, now, busy=bool(w.running), plan=w.plan)
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
         w.stalled_prefill = report.stalled_prompt_tokens
-        w.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
 
     def on_timer(self) -> list[Action]:
         """Expire what passed its deadline and fire admission windows that ran out."""
@@ -428,71 +399,17 @@ class Scheduler(AdmissionControl):
         return moved
 
     def _compose(self, model: ModelState) -> list[Action]:
-        """Each worker's step plan for what now runs on it; sent only when its limits change."""
+        """Each worker's step plan for what now runs on it (engine/scheduler/planner.py); sent only when its
+        limits change."""
         actions: list[Action] = []
         for wid in model.workers:
             w = self.workers[wid]
-            interactive = [e for e in w.running.values() if e.cls == TrafficClass.INTERACTIVE]
-            bulk_decoding = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled)
-            load = WorkerLoad(interactive=len(interactive),
-                              interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
-                              bulk=bulk_decoding,
-                              interactive_decoding=sum(1 for e in interactive if e.prefilled),
-                              bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding)
-            single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
-            budget = self._step_budget(w, interactive, single)
-            # `share` now only sizes the TTFT guard (share × TTFT target): the ITL steps follow `budget`.
-            plan = compose_step(load, w.cadence, self._itl_target(interactive, single),
-                                share=self.config.itl_set_point, min_bulk=self.config.min_bulk_decode,
-                                step_budget_s=budget,
-                                ttft_target_s=self.config.interactive.ttft_target_s,
-                                typical_prompt=round(model.interactive_prompt_tokens), single_step_s=w.single_step_s,
-                                prefill_token_s=w.prefill_token_s, bulk_prompt_per_output=model.bulk_prompt_per_output)
+            plan = self.planner.plan(w, model)
             if (plan.bulk_decode, plan.prefill_tokens, plan.guard_prefill_tokens) != \
                     (w.plan.bulk_decode, w.plan.prefill_tokens, w.plan.guard_prefill_tokens):
                 actions.append(Compose(wid, plan))
             w.plan = plan
         return actions
-
-    def _step_budget(self, w: WorkerView, interactive: list[Entry], single_step_s: float) -> float | None:
-        """How long the worker's next planned step may be, in the planning line's seconds: the least
-        any of its interactive streams allows (composition.stream_allowance), None with none that has a target.
-
-        Counted from the worker's last report, whenever the plan is made (a plan remade between two
-        reports is for the same step). A worker that steps on before its report is read has a step
-        under way then, composed by the plan it has: that step comes first, as long as its plan
-        predicted (or, unplanned, its step at the batch it runs), scaled by how long planned steps
-        really take. The budget, in the line's seconds, is capped as each allowance is in real ones
-        (composition.longest_step), so no plan predicts a step nearer the target than that."""
-        allowances, targets = [], []
-        ahead = 1 if w.spec.runs_ahead else 0
-        under_way = w.under_way_step_s or w.cadence.step_s(len(w.running))
-        for e in interactive:
-            target = self._itl_target([e], single_step_s)
-            if target is None:
-                continue
-            gaps = e.tokens_this_run - 1 if e.first_token_at is not None else None
-            elapsed = max(w.last_report_at - e.first_token_at, 0.0) if e.first_token_at is not None else 0.0
-            allowances.append(stream_allowance(target, self.config.itl_set_point, gaps, elapsed,
-                                               ahead * w.step_ratio * under_way, ahead))
-            targets.append(target)
-        return min(min(allowances) / w.step_ratio, longest_step(min(targets), self.config.itl_set_point)) if allowances else None
-
-    def _bulk_goal_per_worker(self, model: ModelState) -> float | None:
-        """Each worker's part of bulk's throughput goal: the model's goal shared evenly by its workers."""
-        goal = self.config.bulk.throughput_goal_tok_s
-        return goal / len(model.workers) if goal and model.workers else None
-
-    def _itl_target(self, interactive: list[Entry], single_step_s: float) -> float | None:
-        """The tightest ITL target among the interactive requests running on a worker: the class's,
-        or a request's own, which is never taken below `min_itl_target_steps` single steps."""
-        target = self.config.interactive.itl_target_for(single_step_s)
-        own = [e.itl_target_s for e in interactive if e.itl_target_s is not None]
-        if own:
-            floor = self.config.min_itl_target_steps * single_step_s
-            tightest = max(min(own), floor)
-            target = tightest if target is None else min(target, tightest)
-        return target
 
     def _isolated(self, e: Entry) -> bool:
         """A suspect: running when workers died often enough that it must run alone."""
@@ -507,50 +424,16 @@ class Scheduler(AdmissionControl):
         reserve = self._bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else w.held_for_interactive()
         if budget.slots - 1 < reserve or not budget.fits(e):
             return False
-        if e.cls == TrafficClass.INTERACTIVE and not self._keeps_itl_target(e, w):
+        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model):
             return False
         # One more sequence must not slow running requests past their deadlines.
         return self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
 
-    def _keeps_itl_target(self, e: Entry, w: WorkerView) -> bool:
-        """Can the worker's steps still be composed within the ITL target with `e` decoding too, and
-        still leave bulk its throughput goal?
-
-        Interactive streams, unlike bulk, cannot be paused: past some number of them even a step of
-        only them (and the one bulk sequence that never starves) is slower than the target, and every
-        stream on the worker would miss it; and each one more leaves less of a step for bulk. Beyond
-        that, a newcomer waits in the queue for one to end (its TTFT pays, not the running streams'
-        ITL, nor bulk's goal); the first is always let in."""
-        interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]  # this round's admissions too
-        if not interactive:
-            return True
-        single = w.single_step_s if w.single_step_s is not None else w.cadence.step_s(1)
-        target = self._itl_target(interactive + [e], single)
-        if target is None:
-            return True
-        bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
-        a, b, c = step_line(w.cadence, w.single_step_s, len(w.running), w.prefill_token_s)
-        streams = len(interactive) + 1
-        planned = self.config.itl_set_point * target
-        if a + b * (streams + min(self.config.min_bulk_decode, bulk)) > planned:
-            return False
-        model = self.models[w.spec.model]
-        goal = self._bulk_goal_per_worker(model)
-        return goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal
-
     def _first_token_at(self, e: Entry, w: WorkerView, now: float) -> tuple[float, int, int]:
-        """When `e` would get its first token on `w`: its next step's start, then a step with `e` in it.
-
-        From the worker's measured step time at its batch, the prompts it still owes, and when its
-        current step began; ties (before any step was measured) go to the smaller batch, then to
-        more free slots.
-        """
-        est = w.estimator
-        start = now
-        if w.running and w.last_report_at < now:  # mid-step: `e` joins the step after this one
-            start = max(now, w.last_report_at + est.step_s(len(w.running)))
-        done = start + est.first_token_s(len(w.running) + 1, self._prefill_owed(w) + e.prompt_tokens + e.generated)
-        return done, len(w.running), -w.slots_free()
+        """When `e` would get its first token on `w` (its pace's forecast, with the prompts `w` still owes);
+        ties (before any step was measured) go to the smaller batch, then to more free slots."""
+        owed = self._prefill_owed(w) + e.prompt_tokens + e.generated
+        return w.pace.first_token_at(now, len(w.running), owed), len(w.running), -w.slots_free()
 
     def _budget(self, w: WorkerView, *, at_boundary: bool = False) -> StepBudget:
         """What `w` can take now. Prompts admitted but not yet applied (`pending_prefill`) go into its
@@ -567,7 +450,7 @@ class Scheduler(AdmissionControl):
         free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
         budget = w.spec.prefill_token_budget
         pending = sum(n for n, _ in w.pending_prefill.values())
-        interactive = sum(n for _, n in w.pending_prefill.values()) if w.cadence.knows_sequence_cost else pending
+        interactive = sum(n for _, n in w.pending_prefill.values()) if w.pace.cadence.knows_sequence_cost else pending
         if at_boundary and w.spec.runs_ahead:
             pending, interactive = max(pending - budget, 0), max(interactive - budget, 0)
         pending, interactive = pending + w.stalled_prefill, interactive + w.stalled_prefill
@@ -631,7 +514,8 @@ class Scheduler(AdmissionControl):
         w.reserved_blocks += e.blocks
         w.running[e.run_key] = e
         batch = len(w.running)
-        e.est_finish = now + w.estimator.first_token_s(batch, e.prompt_tokens) + max(e.remaining - 1, 0) * w.estimator.step_s(batch)
+        est = w.pace.estimator
+        e.est_finish = now + est.first_token_s(batch, e.prompt_tokens) + max(e.remaining - 1, 0) * est.step_s(batch)
         return Admission(e.key, e.run_key, e.attempt, e.generated, e.queueing_s, e.admission_wait_s)
 
     def _preempt_for_interactive(self, model_name: str, model: ModelState, now: float) -> list[Action]:
@@ -647,7 +531,7 @@ class Scheduler(AdmissionControl):
             return []
         for wid in model.workers:
             w = self.workers[wid]
-            if not w.spec.continuous or not self._keeps_itl_target(head, w):
+            if not w.spec.continuous or not self.planner.keeps_itl_target(head, w, model):
                 continue  # preempting bulk would not let it in
             floor = math.floor(w.spec.max_seqs * self.config.bulk_floor)
             bulk = sorted((e for e in w.running.values() if e.cls == TrafficClass.BULK), key=lambda e: e.arrival)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenline.engine.scheduler.estimator import StepEstimator
+from tokenline.engine.scheduler.pace import WorkerPace
 from tokenline.engine.scheduler.queues import ClassQueue
 from tokenline.engine.scheduler.records import Entry
 from tokenline.engine.types import StepPlan, TrafficClass, WorkerSpec
@@ -16,7 +16,7 @@ class WorkerView:
     """What the scheduler knows of one worker."""
 
     spec: WorkerSpec
-    estimator: StepEstimator
+    pace: WorkerPace  # what its speed is learnt from and predicts (engine/scheduler/pace.py)
     running: dict[str, Entry] = field(default_factory=dict)  # by run key
     reserved_blocks: int = 0
     seq: int = 0  # last admission batch sent
@@ -26,22 +26,7 @@ class WorkerView:
     # Prompt tokens applied but not schedulable yet (their structured-output format compiles), as last reported:
     # owed like pending ones, or a worker busy compiling looks idle and takes every waiting request.
     stalled_prefill: int = 0
-    last_report_at: float = 0.0  # when its last step ended (the next one began)
     plan: StepPlan = field(default_factory=StepPlan)  # the step plan last sent to it
-    # Its step period as its streams see it (report to report while busy: the engine step plus the
-    # loop, the pipe and the frontend's share of the cores): what step composition plans by.
-    cadence: StepEstimator = field(default_factory=lambda: StepEstimator(0.05))
-    single_step_s: float | None = None  # its measured period with one sequence decoding (a moving average)
-    # Its cost per prompt token, measured on steps that computed at least PREFILL_SAMPLE_TOKENS of
-    # them (a moving average): the floor under the fitted one when steps are planned.
-    prefill_token_s: float | None = None
-    # Its step periods over what the planning line (composition.step_line) predicted for them, on
-    # steps run while interactive streams were in (a moving average): plans are made in the line's
-    # seconds, streams' allowances are in real ones.
-    step_ratio: float = 1.0
-    # What the plan of the step under way predicted (0: unplanned): a worker that steps on before its
-    # report is read runs, from that report on, the plan it had.
-    under_way_step_s: float = 0.0
     isolate_after_crashes: int = 2  # SchedulerConfig's: a suspect this often crashed runs alone
 
     def accepting(self) -> bool:

@@ -1,0 +1,106 @@
+"""The step planner: what latency targets ask of a worker, from its pace (engine/scheduler/pace.py).
+
+It owns the rules the scheduler applies with interactive streams on a worker: the plan for its next step
+(composition.compose_step, given the step budget the streams' ITL targets allow), whether one more
+interactive stream still fits the ITL target and leaves bulk its throughput goal, and which ITL target a
+stream has. core.py asks it; it changes nothing but the plans it returns.
+"""
+
+from __future__ import annotations
+
+from tokenline.engine.scheduler.composition import (WorkerLoad, bulk_rate_beside, compose_step, longest_step,
+                                                    stream_allowance)
+from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.records import Entry
+from tokenline.engine.scheduler.state import ModelState, WorkerView
+from tokenline.engine.types import StepPlan, TrafficClass
+
+
+class StepPlanner:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+
+    def plan(self, w: WorkerView, model: ModelState) -> StepPlan:
+        """The plan for what now runs on `w`."""
+        interactive = [e for e in w.running.values() if e.cls == TrafficClass.INTERACTIVE]
+        bulk_decoding = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled)
+        load = WorkerLoad(interactive=len(interactive),
+                          interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
+                          bulk=bulk_decoding,
+                          interactive_decoding=sum(1 for e in interactive if e.prefilled),
+                          bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding)
+        pace, single = w.pace, w.pace.single()
+        # `share` now only sizes the TTFT guard (share × TTFT target): the ITL steps follow the step budget.
+        return compose_step(load, pace.cadence, self.itl_target(interactive, single),
+                            share=self.config.itl_set_point, min_bulk=self.config.min_bulk_decode,
+                            step_budget_s=self.step_budget(w, interactive, single),
+                            ttft_target_s=self.config.interactive.ttft_target_s,
+                            typical_prompt=round(model.interactive_prompt_tokens), single_step_s=pace.single_step_s,
+                            prefill_token_s=pace.prefill_token_s, bulk_prompt_per_output=model.bulk_prompt_per_output)
+
+    def step_budget(self, w: WorkerView, interactive: list[Entry], single_step_s: float) -> float | None:
+        """How long the worker's next planned step may be, in the planning line's seconds: the least
+        any of its interactive streams allows (composition.stream_allowance), None with none that has a target.
+
+        Counted from the worker's last report, whenever the plan is made (a plan remade between two
+        reports is for the same step). A worker that steps on before its report is read has a step
+        under way then, composed by the plan it has: that step comes first, as long as its plan
+        predicted (or, unplanned, its step at the batch it runs), scaled by how long planned steps
+        really take. The budget, in the line's seconds, is capped as each allowance is in real ones
+        (composition.longest_step), so no plan predicts a step nearer the target than that."""
+        pace = w.pace
+        allowances, targets = [], []
+        ahead = 1 if w.spec.runs_ahead else 0
+        under_way = pace.under_way_step_s or pace.cadence.step_s(len(w.running))
+        for e in interactive:
+            target = self.itl_target([e], single_step_s)
+            if target is None:
+                continue
+            gaps = e.tokens_this_run - 1 if e.first_token_at is not None else None
+            elapsed = max(pace.last_report_at - e.first_token_at, 0.0) if e.first_token_at is not None else 0.0
+            allowances.append(stream_allowance(target, self.config.itl_set_point, gaps, elapsed,
+                                               ahead * pace.step_ratio * under_way, ahead))
+            targets.append(target)
+        if not allowances:
+            return None
+        return min(min(allowances) / pace.step_ratio, longest_step(min(targets), self.config.itl_set_point))
+
+    def bulk_goal_per_worker(self, model: ModelState) -> float | None:
+        """Each worker's part of bulk's throughput goal: the model's goal shared evenly by its workers."""
+        goal = self.config.bulk.throughput_goal_tok_s
+        return goal / len(model.workers) if goal and model.workers else None
+
+    def itl_target(self, interactive: list[Entry], single_step_s: float) -> float | None:
+        """The tightest ITL target among the interactive requests running on a worker: the class's,
+        or a request's own, which is never taken below `min_itl_target_steps` single steps."""
+        target = self.config.interactive.itl_target_for(single_step_s)
+        own = [e.itl_target_s for e in interactive if e.itl_target_s is not None]
+        if own:
+            floor = self.config.min_itl_target_steps * single_step_s
+            tightest = max(min(own), floor)
+            target = tightest if target is None else min(target, tightest)
+        return target
+
+    def keeps_itl_target(self, e: Entry, w: WorkerView, model: ModelState) -> bool:
+        """Can the worker's steps still be composed within the ITL target with `e` decoding too, and
+        still leave bulk its throughput goal?
+
+        Interactive streams, unlike bulk, cannot be paused: past some number of them even a step of
+        only them (and the one bulk sequence that never starves) is slower than the target, and every
+        stream on the worker would miss it; and each one more leaves less of a step for bulk. Beyond
+        that, a newcomer waits in the queue for one to end (its TTFT pays, not the running streams'
+        ITL, nor bulk's goal); the first is always let in."""
+        interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]  # this round's admissions too
+        if not interactive:
+            return True
+        target = self.itl_target(interactive + [e], w.pace.single())
+        if target is None:
+            return True
+        bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
+        a, b, c = w.pace.line(len(w.running))
+        streams = len(interactive) + 1
+        planned = self.config.itl_set_point * target
+        if a + b * (streams + min(self.config.min_bulk_decode, bulk)) > planned:
+            return False
+        goal = self.bulk_goal_per_worker(model)
+        return goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal
