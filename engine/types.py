@@ -2,6 +2,31 @@
 
 Nothing here imports grpc, vllm or torch: these records cross the process
 boundary to workers (pickled) and are what the scheduler reasons about.
+
+Glossary: one name per thing, from the caller to vLLM.
+- request: what a caller asked for (GenerateRequest); its key is the pair (tenant, request id)
+  (server/request.py RequestKey), written as JSON where it must be a string. A request has one or more runs.
+- run: one admission of a request to a worker; its run key is "<request key>@<run number>"
+  (records.Entry.run_key): the key a WorkItem and a SeqOutput carry, and vLLM's request id (plus vLLM's suffix).
+- attempt: how many times the request was started over after a worker was lost (a crash, a hung worker); a
+  preemption is a new run of the same attempt. Either way it continues from the tokens delivered so far
+  (WorkItem.delivered_tokens).
+- sample: one of n outputs of a request (n > 1), each its own request key with a sample index.
+- entry: the scheduler's record of a request (records.Entry): queued, running on a worker, or ended.
+- class: interactive or bulk (TrafficClass); each has its own queue, admission window and targets.
+- admission: the scheduler's decision to start a run on a worker (records.Admission); a Dispatch action carries
+  a worker's admissions, and the frontend sends them to the worker as one Admit message (a batch, `seq`).
+- stop: the scheduler ending a run (StopRun: cancelled, expired, preempted); the worker receives it as Abort.
+- step: one engine step of a worker: every running sequence advances (a token, or a chunk of its prompt);
+  its StepReport says what it did. Step period: report to report as the streams see it (the pace).
+- step plan: how a worker composes its steps while interactive sequences run (StepPlan); the scheduler's
+  Compose action carries it, the backend applies it (engine/backend.py set_plan).
+- pace: what the scheduler has learnt of a worker's speed (engine/scheduler/pace.py WorkerPace).
+- slots: the sequences a worker runs at once. WorkerConfig.max_seqs counts those bulk may fill;
+  interactive_slots are only interactive's; the engine runs both (WorkerConfig.engine_seqs), and
+  WorkerSpec.max_seqs reports that total.
+- on_step: the hook that hears a worker's StepReport (Supervisor callback -> Runtime -> Scheduler.on_step,
+  whose StepResult the runtime's on_step hooks, e.g. the step log, then hear).
 """
 
 from __future__ import annotations
