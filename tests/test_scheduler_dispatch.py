@@ -120,5 +120,5 @@ def test_a_burst_after_an_idle_spell_is_not_refused_for_its_deadline_by_what_the
     out = sim.run([warm, *burst])
     assert [k for k, o in out.items() if o.status != "finished"] == []
     # Full, the model does give evidence: its drain rate is what it finished per second full.
-    rate = sim.scheduler._drain_rate(sim.scheduler.models["sim"], 2.0 + 5.0)
+    rate = sim.scheduler.admission.drain_rate(sim.scheduler.models["sim"], 2.0 + 5.0)
     assert rate > 0

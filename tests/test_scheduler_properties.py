@@ -61,7 +61,7 @@ def check_invariants(sim: Simulation) -> None:
                 reserve = sched._bulk_reserve(w, model)
                 trial = budget.copy()
                 trial.slots -= reserve
-                if not sched._keeps_deadlines(w, len(w.running) + 1, now):
+                if not sched.admission.keeps_deadlines(w, len(w.running) + 1, now):
                     continue  # admitting would make running requests miss their deadlines
                 assert not trial.fits(head), f"interactive {head.key} waits while worker {wid} has room"
 

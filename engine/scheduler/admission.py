@@ -1,14 +1,16 @@
 """Admission control: can a request be accepted, and when would it run?
 
-Forecasts from each worker's measured step time (see estimator.py), the queue
-ahead and the rate at which the model has been finishing work. Mixed into the
-Scheduler; reads its state, changes none of it.
+Forecasts from each worker's measured step time (see pace.py), the queue
+ahead and the rate at which the model has been finishing work. The Scheduler
+holds one AdmissionControl, built over its state; it reads that state and
+changes none of it (a model started on demand is the Scheduler's to create).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 
 from tokenline.engine.scheduler.budget import blocks_at_most
 from tokenline.engine.scheduler.config import SchedulerConfig
@@ -18,23 +20,26 @@ from tokenline.engine.types import TrafficClass
 
 
 class AdmissionControl:
-    """Estimates and refusals, mixed into the Scheduler: reads the state declared here (the
-    Scheduler's, set in its __init__) and changes none of it."""
+    """Estimates and refusals over the Scheduler's state, given explicitly."""
 
-    config: SchedulerConfig
-    models: dict[str, ModelState]
-    workers: dict[int, WorkerView]
-    on_demand: dict[str, float]  # models whose workers start on demand -> seconds a start takes
-    entries: dict[str, Entry]
-    _tenant_inflight: Counter[str]  # queued + running requests per tenant
-    _tenant_queued_tokens: Counter[str]  # prompt + max new tokens queued per tenant
+    def __init__(self, config: SchedulerConfig, models: dict[str, ModelState], workers: dict[int, WorkerView],
+                 entries: dict[str, Entry], on_demand: dict[str, float], tenant_inflight: Counter[str],
+                 tenant_queued_tokens: Counter[str], model_of: Callable[[str], ModelState]):
+        self.config = config
+        self.models = models
+        self.workers = workers
+        self.entries = entries
+        self.on_demand = on_demand  # models whose workers start on demand -> seconds a start takes
+        self.tenant_inflight = tenant_inflight  # queued + running requests per tenant
+        self.tenant_queued_tokens = tenant_queued_tokens  # prompt + max new tokens queued per tenant
+        self.model_of = model_of  # the model's state, created if new (a model started on demand)
 
-    def _check_admissible(self, e: Entry, now: float) -> Refuse | None:
+    def check(self, e: Entry, now: float) -> Refuse | None:
         if e.key in self.entries:
             return Refuse(e.key, Refusal.DUPLICATE, f"request id {e.key!r} is already in flight")
         model = self.models.get(e.model)
         if e.model in self.on_demand:  # a worker starts when work queues (the autoscaler's)
-            model = self._model(e.model)
+            model = self.model_of(e.model)
         elif model is None or not model.workers:
             return Refuse(e.key, Refusal.NO_WORKER, f"no worker is serving model {e.model!r} right now", 1.0)
         specs = [self.workers[w].spec for w in model.workers] or [s for s in (model.last_spec,) if s is not None]
@@ -44,20 +49,20 @@ class AdmissionControl:
         queue = model.queues[e.cls]
         if queue.requests + 1 > cls_cfg.max_queued_requests or queue.tokens + e.cost > cls_cfg.max_queued_tokens:
             excess = max(queue.tokens + e.cost - cls_cfg.max_queued_tokens, e.cost)
-            return Refuse(e.key, Refusal.QUEUE_FULL, f"the {e.cls.name.lower()} queue for {e.model!r} is full ({queue.requests} requests, {queue.tokens} tokens)", self._retry_after(model, excess, now))
+            return Refuse(e.key, Refusal.QUEUE_FULL, f"the {e.cls.name.lower()} queue for {e.model!r} is full ({queue.requests} requests, {queue.tokens} tokens)", self.retry_after(model, excess, now))
         tenant_cfg = self.config.for_tenant(e.tenant)
-        inflight = self._tenant_inflight[e.tenant]
+        inflight = self.tenant_inflight[e.tenant]
         if inflight + 1 > tenant_cfg.max_concurrent:
-            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {inflight} requests in flight, its limit is {tenant_cfg.max_concurrent}", self._retry_after(model, e.cost, now))
-        queued_tokens = self._tenant_queued_tokens[e.tenant]
+            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {inflight} requests in flight, its limit is {tenant_cfg.max_concurrent}", self.retry_after(model, e.cost, now))
+        queued_tokens = self.tenant_queued_tokens[e.tenant]
         if queued_tokens + e.cost > tenant_cfg.max_queued_tokens:
-            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {queued_tokens} tokens queued, its limit is {tenant_cfg.max_queued_tokens}", self._retry_after(model, e.cost, now))
+            return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {queued_tokens} tokens queued, its limit is {tenant_cfg.max_queued_tokens}", self.retry_after(model, e.cost, now))
         if e.deadline is not None:
-            start = self._estimate_start(e, model, now)
-            done = start + self._service_estimate(e.model, e)
+            start = self.estimate_start(e, model, now)
+            done = start + self.service_estimate(e.model, e)
             what = "its first token"
             if e.must_complete_by_deadline:
-                done += max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
+                done += max(e.max_tokens - 1, 0) * self.decode_step_estimate(e.model)
                 what = f"all {e.max_tokens} tokens"
             if done > e.deadline:
                 return Refuse(e.key, Refusal.DEADLINE, f"cannot produce {what} before the deadline: estimated at {1000 * (done - now):.0f} ms from now, deadline in {1000 * (e.deadline - now):.0f} ms")
@@ -72,16 +77,16 @@ class AdmissionControl:
             return 0
         return sum(1 for queue in model.queues.values() if queue.with_deadline for e in queue
                    if e.deadline is not None
-                   and self._estimate_start(e, model, now) + self._service_estimate(model_name, e) > e.deadline)
+                   and self.estimate_start(e, model, now) + self.service_estimate(model_name, e) > e.deadline)
 
-    def _decode_step_estimate(self, model_name: str) -> float:
+    def decode_step_estimate(self, model_name: str) -> float:
         model = self.models[model_name]
         if not model.workers:
             return self.config.step_time_prior_s
         w = self.workers[model.workers[0]]
         return w.pace.estimator.step_s(max(len(w.running), 1))
 
-    def _service_estimate(self, model_name: str, e: Entry) -> float:
+    def service_estimate(self, model_name: str, e: Entry) -> float:
         """Admission to first token on this model's typical worker."""
         model = self.models[model_name]
         if not model.workers:
@@ -89,14 +94,14 @@ class AdmissionControl:
         w = self.workers[model.workers[0]]
         return w.pace.estimator.first_token_s(max(len(w.running), 1), e.prompt_tokens)
 
-    def _estimate_start(self, e: Entry, model: ModelState, now: float) -> float:
+    def estimate_start(self, e: Entry, model: ModelState, now: float) -> float:
         """When a slot could be free for `e`, given what runs and what queues ahead of it."""
         free_at: list[float] = []
         for wid in model.workers:
             w = self.workers[wid]
             if w.accepting():
                 # Free slots count only while using one keeps running requests' deadlines.
-                usable = w.slots_free(e.cls) if self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens) else 0
+                usable = w.slots_free(e.cls) if self.keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens) else 0
                 free_at += [now] * usable
                 free_at += sorted(x.est_finish for x in w.running.values())
             else:
@@ -116,11 +121,11 @@ class AdmissionControl:
             # Past the slots we can see, each round of requests ahead takes a whole run
             # (first token plus its decode), not just a first token.
             rounds = ahead // len(free_at)
-            run_s = self._service_estimate(e.model, e) + max(e.max_tokens - 1, 0) * self._decode_step_estimate(e.model)
+            run_s = self.service_estimate(e.model, e) + max(e.max_tokens - 1, 0) * self.decode_step_estimate(e.model)
             start = free_at[ahead % len(free_at)] + rounds * run_s
         # However many slots look free, the queue ahead drains no faster than the model has
         # been finishing work lately.
-        rate = self._drain_rate(model, now)
+        rate = self.drain_rate(model, now)
         if rate > 0:
             queued = model.queues[TrafficClass.INTERACTIVE].tokens
             if e.cls == TrafficClass.BULK:
@@ -128,7 +133,7 @@ class AdmissionControl:
             start = max(start, now + queued / rate)
         return max(start, now)
 
-    def _drain_rate(self, model: ModelState, now: float) -> float:
+    def drain_rate(self, model: ModelState, now: float) -> float:
         """Tokens (prompt + generated) the model finishes per second while it is full, over the drain window;
         0 (no evidence) until it has been full for a tenth of the window. A model that was mostly idle
         finished only what it was asked: that rate says nothing of how fast it drains a queue."""
@@ -144,13 +149,13 @@ class AdmissionControl:
             return 0.0
         return sum(t for _, t in model.drained) / full_s
 
-    def _retry_after(self, model: ModelState, tokens: int, now: float) -> float:
-        rate = self._drain_rate(model, now)
+    def retry_after(self, model: ModelState, tokens: int, now: float) -> float:
+        rate = self.drain_rate(model, now)
         if rate <= 0:
             return 1.0
         return min(max(tokens / rate, 0.01), 60.0)
 
-    def _keeps_deadlines(self, w: WorkerView, batch: int, now: float, prefill_tokens: int = 0) -> bool:
+    def keeps_deadlines(self, w: WorkerView, batch: int, now: float, prefill_tokens: int = 0) -> bool:
         """Would every running request that can meet its deadline still meet it after this admission?
 
         An admission makes every later step slower (a bigger batch) and adds its prompt to the
@@ -161,7 +166,7 @@ class AdmissionControl:
         if not w.spec.continuous:
             return True
         per_token = w.pace.estimator.prefill_per_token_s
-        owed = self._prefill_owed(w) * per_token
+        owed = self.prefill_owed(w) * per_token
         current = w.pace.estimator.step_s(len(w.running))
         slower = w.pace.estimator.step_s(batch)
         added = prefill_tokens * per_token
@@ -172,16 +177,16 @@ class AdmissionControl:
                 return False
         return True
 
-    def _cannot_complete(self, e: Entry, w: WorkerView, now: float) -> bool:
+    def cannot_complete(self, e: Entry, w: WorkerView, now: float) -> bool:
         """For work that must finish by its deadline: would it miss it even if it started now?"""
         if not e.must_complete_by_deadline or e.deadline is None:
             return False
         est = w.pace.estimator
-        finish = (now + (self._prefill_owed(w) + e.prompt_tokens + e.generated) * est.prefill_per_token_s
+        finish = (now + (self.prefill_owed(w) + e.prompt_tokens + e.generated) * est.prefill_per_token_s
                   + e.remaining * est.step_s(len(w.running) + 1))
         return finish > e.deadline
 
     @staticmethod
-    def _prefill_owed(w: WorkerView) -> int:
+    def prefill_owed(w: WorkerView) -> int:
         """Prompt tokens admitted to `w` that it has not computed yet (no token produced since admission)."""
         return sum(e.prompt_tokens + e.generated for e in w.running.values() if not e.prefilled)

@@ -57,7 +57,7 @@ class _Round:
     admitted: dict[int, list[Admission]]
 
 
-class Scheduler(AdmissionControl):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float]):
         self.config = config
         self.clock = clock
@@ -74,6 +74,9 @@ class Scheduler(AdmissionControl):
         # worker their requests queue (the queue starts one) instead of being refused.
         self.on_demand: dict[str, float] = {}
         self._next_group = 1  # the next suspect group's number
+        # Estimates and refusals (engine/scheduler/admission.py), over this state.
+        self.admission = AdmissionControl(config, self.models, self.workers, self.entries, self.on_demand,
+                                          self._tenant_inflight, self._tenant_queued_tokens, self._model)
 
     # ------------------------------------------------------------------ events
 
@@ -144,7 +147,7 @@ class Scheduler(AdmissionControl):
         """A new request: refuse it now, or queue it (and maybe dispatch it)."""
         now = self.clock()
         entry.arrival = now
-        refusal = self._check_admissible(entry, now)
+        refusal = self.admission.check(entry, now)
         if refusal is not None:
             transition(entry, Status.REFUSED)
             return [refusal]
@@ -385,7 +388,7 @@ class Scheduler(AdmissionControl):
             # A worker running a crash's survivors may crash again: new work goes to a clean one if it can.
             wid = min(candidates, key=lambda i: (self._holds_crashed(i, r), self._first_token_at(e, self.workers[i], now)))
             w = self.workers[wid]
-            if self._cannot_complete(e, w, now):
+            if self.admission.cannot_complete(e, w, now):
                 self._dequeue(e)  # it asked to finish by its deadline, and no longer can
                 transition(e, Status.EXPIRED)
                 self._forget(e)
@@ -427,12 +430,12 @@ class Scheduler(AdmissionControl):
         if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model):
             return False
         # One more sequence must not slow running requests past their deadlines.
-        return self._keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
+        return self.admission.keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
 
     def _first_token_at(self, e: Entry, w: WorkerView, now: float) -> tuple[float, int, int]:
         """When `e` would get its first token on `w` (its pace's forecast, with the prompts `w` still owes);
         ties (before any step was measured) go to the smaller batch, then to more free slots."""
-        owed = self._prefill_owed(w) + e.prompt_tokens + e.generated
+        owed = self.admission.prefill_owed(w) + e.prompt_tokens + e.generated
         return w.pace.first_token_at(now, len(w.running), owed), len(w.running), -w.slots_free()
 
     def _budget(self, w: WorkerView, *, at_boundary: bool = False) -> StepBudget:
@@ -488,7 +491,7 @@ class Scheduler(AdmissionControl):
         if model.queues[cls].with_deadline:
             for e in model.queues[cls]:
                 if e.deadline is not None:
-                    at = min(at, e.deadline - self._service_estimate(model_name, e))
+                    at = min(at, e.deadline - self.admission.service_estimate(model_name, e))
         return at
 
     def _bulk_reserve(self, w: WorkerView, model: ModelState) -> int:
@@ -680,6 +683,10 @@ class Scheduler(AdmissionControl):
         q = self.models.get(model)
         oldest = q.queues[cls].oldest() if q else None
         return self.clock() - oldest.arrival if oldest else 0.0
+
+    def predicted_misses(self, model: str, now: float) -> int:
+        """Queued requests of `model` predicted to miss their deadline (the autoscaler's signal)."""
+        return self.admission.predicted_misses(model, now)
 
     def tenant_inflight(self, tenant: str) -> int:
         """The tenant's requests queued or running (what its max_concurrent bounds)."""
