@@ -16,6 +16,8 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Executor
 
 import grpc
 
@@ -47,15 +49,26 @@ _FINISH_PB = {"stop": pb.STOP, "length": pb.LENGTH, "stop_string": pb.STOP_STRIN
 
 
 class JobRpcs:
-    """Mixin for TokenlineServicer: expects `jobs`, `models`, `default_model`, `limits`, `draining`,
-    `_request_work` and `_tenant` on the servicer."""
+    """The durable-job RPCs (SubmitJob, WatchJob, GetJob, CancelJob, ListJobs), served beside the servicer's
+    own (servicer.add_to_server registers them). Their dependencies, given explicitly: the job runner (None:
+    the server keeps no job store), what Generate would check a request against (models, default model,
+    limits), the thread pool that tokenizes, the caller's tenant, and whether the server is draining."""
 
-    jobs: JobRunner | None = None
+    def __init__(self, jobs: JobRunner | None, *, models: dict, default_model: str, limits: convert.Limits,
+                 request_work: Executor, tenant: Callable[[grpc.aio.ServicerContext], str],
+                 draining: Callable[[], bool]):
+        self.jobs = jobs
+        self.models = models
+        self.default_model = default_model
+        self.limits = limits
+        self._request_work = request_work
+        self._tenant = tenant
+        self._draining = draining
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:  # noqa: N802
         try:
             tenant = self._job_caller(request, context, "SubmitJobRequest")
-            if self.draining:
+            if self._draining():
                 raise Unavailable("the server is draining for shutdown; submit the job to another instance")
             job = await self._new_job(request, tenant)
             try:

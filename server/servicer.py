@@ -30,7 +30,7 @@ from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 log = logging.getLogger("tokenline.requests")
 
 
-class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
+class TokenlineServicer(pb_grpc.TokenlineServicer):
     def __init__(self, runtime: Runtime, models: dict[str, ServedModel], default_model: str, limits: convert.Limits,
                  *, fault_marker: str | None = None, on_done: Callable[[RequestState, str], None] | None = None,
                  on_refused: Callable[[pb.GenerateRequest, ServingError, str], None] | None = None,
@@ -54,6 +54,9 @@ class TokenlineServicer(JobRpcs, pb_grpc.TokenlineServicer):
         self.inflight = 0
         self.attached: collections.Counter[str] = collections.Counter()  # streams attached to a run, per tenant
         runtime.on_finished.append(self.keys.finished)
+        # Durable jobs (server/jobrpcs.py); its runner is set by the app when the server keeps a job store.
+        self.job_rpcs = JobRpcs(None, models=models, default_model=default_model, limits=limits,
+                                request_work=self._request_work, tenant=self._tenant, draining=lambda: self.draining)
 
     # ---------------------------------------------------------------- RPCs
 
@@ -372,15 +375,15 @@ def add_to_server(servicer: TokenlineServicer, server: grpc.aio.Server) -> None:
         "Detokenize": grpc.unary_unary_rpc_method_handler(servicer.Detokenize, request_deserializer=_parse(pb.DetokenizeRequest),
                                                           response_serializer=pb.DetokenizeResponse.SerializeToString),
         # Durable jobs (server/jobrpcs.py).
-        "SubmitJob": grpc.unary_unary_rpc_method_handler(servicer.SubmitJob, request_deserializer=_parse(pb.SubmitJobRequest),
+        "SubmitJob": grpc.unary_unary_rpc_method_handler(servicer.job_rpcs.SubmitJob, request_deserializer=_parse(pb.SubmitJobRequest),
                                                          response_serializer=pb.Job.SerializeToString),
-        "WatchJob": grpc.unary_stream_rpc_method_handler(servicer.WatchJob, request_deserializer=_parse(pb.WatchJobRequest),
+        "WatchJob": grpc.unary_stream_rpc_method_handler(servicer.job_rpcs.WatchJob, request_deserializer=_parse(pb.WatchJobRequest),
                                                          response_serializer=pb.JobChunk.SerializeToString),
-        "GetJob": grpc.unary_unary_rpc_method_handler(servicer.GetJob, request_deserializer=_parse(pb.GetJobRequest),
+        "GetJob": grpc.unary_unary_rpc_method_handler(servicer.job_rpcs.GetJob, request_deserializer=_parse(pb.GetJobRequest),
                                                       response_serializer=pb.Job.SerializeToString),
-        "CancelJob": grpc.unary_unary_rpc_method_handler(servicer.CancelJob, request_deserializer=_parse(pb.CancelJobRequest),
+        "CancelJob": grpc.unary_unary_rpc_method_handler(servicer.job_rpcs.CancelJob, request_deserializer=_parse(pb.CancelJobRequest),
                                                          response_serializer=pb.Job.SerializeToString),
-        "ListJobs": grpc.unary_unary_rpc_method_handler(servicer.ListJobs, request_deserializer=_parse(pb.ListJobsRequest),
+        "ListJobs": grpc.unary_unary_rpc_method_handler(servicer.job_rpcs.ListJobs, request_deserializer=_parse(pb.ListJobsRequest),
                                                         response_serializer=pb.ListJobsResponse.SerializeToString),
     }
     service = pb.DESCRIPTOR.services_by_name["Tokenline"].full_name
