@@ -345,12 +345,15 @@ async def inject_faults(server: Server, tally: Tally, rng: random.Random, until:
                         watchdog_s: float, stores: tuple[str, ...] = (), cluster=None) -> None:
     """SIGKILL or SIGSTOP a random loaded worker now and then, while at least two are loaded; a stopped worker the
     watchdog spared (it had no work) is continued after twice the watchdog's limit. With `stores`, the first
-    fault and one in four after it is an outage of them instead: another process holds the SQLite files
-    locked for 2-6 s."""
+    fault and one in four after the first worker fault is an outage of them instead: another process holds
+    the SQLite files locked for 2-6 s."""
     first = True
     while time.monotonic() < until:
         await asyncio.sleep(rng.uniform(*every_s))
-        outage, first = bool(stores) and (first or rng.random() < 0.25), False
+        # The first fault is an outage; the next is a worker's (an outage comes again, one time in four,
+        # only once a worker fault has been injected, so a short run sees both kinds).
+        worker_faulted = any(tally.faults[k] for k in ("sigkill", "sigstop", "partition"))
+        outage, first = bool(stores) and (first or (worker_faulted and rng.random() < 0.25)), False
         if outage and time.monotonic() < until:
             tally.faults["store_outage"] += 1
             await asyncio.to_thread(_lock_stores, stores, rng.uniform(2.0, 6.0))
@@ -426,6 +429,12 @@ async def soak(args: argparse.Namespace) -> dict:
     rss: list[tuple[float, float]] = []
     try:
         server.wait_ready(args.start_timeout_s)
+        # The clock starts once both workers have loaded: on a loaded machine they load for
+        # tens of seconds after the server serves, and a short run would otherwise end before a worker fault
+        # could be injected (faults need two loaded workers).
+        loaded_by = time.monotonic() + args.start_timeout_s
+        while len(server.ready_workers()) < 2 and time.monotonic() < loaded_by:
+            await asyncio.sleep(0.2)
         start = time.monotonic()
         until = start + args.minutes * 60
         async with grpc.aio.insecure_channel(server.address) as channel:
