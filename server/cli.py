@@ -55,7 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServeConfig(host=args.host, port=args.port, models=((worker, plan.workers),), scheduler=sched,
                              limits=limits, grace_s=args.grace_s, fault_marker=args.fault_marker,
                              api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                             tls_client_ca=args.tls_client_ca, idempotency_db=_idempotency_db(args.idempotency_db, args.port),
+                             tls_client_ca=args.tls_client_ca, idempotency_db=_store_path(args.idempotency_db, args.port, "idempotency"),
                              idempotency_ttl_s=args.idempotency_ttl_s, idempotency_lease_s=args.idempotency_lease_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
                              step_log=args.step_log, tool_call_parser=args.tool_call_parser, web=_web_config(args), jobs=jobs, ray_address=args.ray_address,
                              autoscale=_autoscale_config(args, plan.workers), worker_cpus=plan.cpu_sets,
@@ -132,37 +132,27 @@ def _web_config(args: argparse.Namespace):
                      max_connections=args.web_max_connections)
 
 
-def _idempotency_db(value: str | None, port: int) -> str | None:
+def _store_path(value: str | None, port: int, kind: str) -> str | None:
+    """Where a server keeps its `kind` store ("idempotency", "jobs"): "off" none; a value as given; by default
+    one file per server port in the cache, so servers a user runs side by side never share or lock one file
+    (on a random port nobody can find the server again after a restart: kept in memory)."""
     from tokenline.engine.models import cache_dir
 
     if value == "off":
         return None
     if value:
         return value
-    # One store per server (by its port): servers a user runs side by side never share or lock
-    # one file. On a random port nobody can find the server again after a restart: keep it in memory.
-    return ":memory:" if port == 0 else str(cache_dir() / f"idempotency-{port}.sqlite3")
+    return ":memory:" if port == 0 else str(cache_dir() / f"{kind}-{port}.sqlite3")
 
 
 def _job_config(args: argparse.Namespace):
     from tokenline.server.jobrunner import JobConfig
 
-    store = _job_store(args.job_store, args.port)
+    store = _store_path(args.job_store, args.port, "jobs")
     if store is None:
         return None
     return JobConfig(store=store, lease_s=args.job_lease_s, retention_s=args.job_retention_s,
                      max_running=args.jobs_running, max_attempts=args.job_attempts, max_wait_s=args.job_max_wait_s)
-
-
-def _job_store(value: str | None, port: int) -> str | None:
-    from tokenline.engine.models import cache_dir
-
-    if value == "off":
-        return None
-    if value:
-        return value
-    # As for idempotency keys: one file per server port; a random port cannot be found again.
-    return ":memory:" if port == 0 else str(cache_dir() / f"jobs-{port}.sqlite3")
 
 
 def add_keys_parser(sub: argparse._SubParsersAction) -> None:
