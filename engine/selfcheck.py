@@ -211,7 +211,7 @@ def folder_fingerprint(folder: Path) -> str:
 
 def reference_location(folder: Path, cache: Path) -> Path:
     """Where a folder's reference lives: inside it when tokenline built it, else in the cache."""
-    from tokenline.engine.models import BUILT_MARKER
+    from tokenline.engine.model_folders import BUILT_MARKER
 
     folder = Path(folder)
     inside = folder / REFERENCE_FILE

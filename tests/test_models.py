@@ -56,7 +56,9 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         raise RuntimeError("killed halfway")
 
-    monkeypatch.setattr(models, "_build_tiny", broken_build)
+    from tokenline.engine import tiny_models
+
+    monkeypatch.setattr(tiny_models, "_build_tiny", broken_build)
 
     with pytest.raises(RuntimeError, match="killed halfway"):
         models.build_tiny_model(tmp_path / "tiny")
@@ -159,7 +161,9 @@ def test_unpermuting_undoes_llama_cpp_rotary_permutation():
         weights.reshape(n_head, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(weights.shape)
     )
 
-    assert (models._unpermute_rotary_rows(permuted, n_head) == weights).all()
+    from tokenline.engine.gguf_model import _unpermute_rotary_rows
+
+    assert (_unpermute_rotary_rows(permuted, n_head) == weights).all()
 
 
 def test_cli_prints_the_folder_on_the_last_line(tmp_path, capsys):
