@@ -104,7 +104,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         served[wc.model_name] = load_served_model(wc.model_name, path, version, wc.max_model_len)
     default_model = config.models[0][0].model_name
     if config.tool_call_parser:  # vLLM's parsers: seconds to import, off the loop, before serving
-        from tokenline.server.tools import VllmToolParsers
+        from tokenline.server.tool_parsers import VllmToolParsers
 
         loop = asyncio.get_running_loop()
         for model in served.values():
@@ -179,7 +179,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         jobs = servicer.job_rpcs.jobs = JobRunner(job_store, runtime, config.jobs, reads, revoked=servicer.auth.revoked)
     web = None
     if config.web is not None:
-        from tokenline.server.web import WebServer
+        from tokenline.server.web_server import WebServer
 
         web = WebServer(config.web)
         add_to_server(servicer, web.gateway)  # the same servicer: same RPCs, auth, deadlines, statuses

@@ -24,7 +24,7 @@ class ServedModel:
     max_token_chars: int = 64  # no token stands for more characters than this (see `longest_token_chars`)
     eos_token_ids: tuple[int, ...] = ()  # the tokens that end generation (tokenizer and generation config)
     # vLLM's tool-call parser for this model's format (serve --tool-call-parser), which tool_choice AUTO needs,
-    # and a factory of its per-answer parsers (`tools.VllmToolParsers`), made when the server starts.
+    # and a factory of its per-answer parsers (`tool_parsers.VllmToolParsers`), made when the server starts.
     tool_call_parser: str | None = None
     tool_parsers: Any = None
 

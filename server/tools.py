@@ -406,41 +406,6 @@ class _Auto:
         return "", []
 
 
-class VllmToolParsers:
-    """tool_choice AUTO: one of vLLM's tool-call parsers (`--tool-call-parser NAME`, as `vllm serve` names them),
-    a fresh one per answer. Importing vLLM's parsers takes seconds and half a GiB: done once, at start-up."""
-
-    def __init__(self, name: str, tokenizer: Any):
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.tool_parsers import ToolParserManager
-
-        try:
-            self.parser_class = ToolParserManager.get_tool_parser(name)
-        except KeyError:
-            known = ", ".join(sorted(ToolParserManager.list_registered()))
-            raise ValueError(f"--tool-call-parser {name!r} is not one of vLLM's tool parsers: {known}") from None
-        self.name, self.tokenizer, self._request_class = name, tokenizer, ChatCompletionRequest
-
-    def __call__(self, spec: ToolSpec) -> _VllmParser:
-        request = self._request_class(
-            messages=[{"role": "user", "content": ""}], tool_choice="auto",
-            tools=[{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                     "parameters": t.parameters}} for t in spec.tools])
-        parser = self.parser_class(self.tokenizer, request.tools)
-        return _VllmParser(parser, parser.adjust_request(request))
-
-
-class _VllmParser:
-    def __init__(self, parser: Any, request: Any):
-        self.parser, self.request = parser, request
-
-    def stream(self, previous: str, current: str, delta: str) -> Any:
-        return self.parser.extract_tool_calls_streaming(previous, current, delta, [], [], [], self.request)
-
-    def remaining(self) -> str:
-        return self.parser.get_remaining_unstreamed_args()
-
-
 class ChunkAnnotator:
     """A stream's chunks with their `content` and `tool_calls` filled, one CallStream per sample. A stream that
     begins part-way (resume_from_index) is first fed the text before it: `prime(sample, index)`."""
