@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenline.server.convert import InvalidRequest
-from tokenline.server.openai_api import CompletionRequest, to_generate_request
+from tokenline.server.openai_requests import CompletionRequest, to_generate_request
 from tokenline.v1 import tokenline_pb2 as pb
 
 

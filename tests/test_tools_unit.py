@@ -10,7 +10,7 @@ import pytest
 
 from tokenline.server import tools
 from tokenline.server.errors import InvalidRequest
-from tokenline.server.openai_api import ChatRequest, to_generate_request
+from tokenline.server.openai_requests import ChatRequest, to_generate_request
 from tokenline.v1 import tokenline_pb2 as pb
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
