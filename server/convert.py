@@ -1,5 +1,5 @@
-"""Proto ↔ domain conversion, with every check a request must pass before any work,
-and every response message the server builds (chunks, results, replays, model info).
+"""Proto → domain conversion, with every check a request must pass before any work (the response messages
+the server builds are server/responses.py's).
 
 Pure functions: they raise `InvalidRequest` / `ModelNotFound` with a message
 that says what to change, and never touch the engine. `check` is cheap (sizes,
@@ -12,21 +12,14 @@ from __future__ import annotations
 import json
 import math
 import string
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-from tokenline.engine.types import STRUCTURED_FORMATS, FinishReason, PositionLogprobs, Sampling, TrafficClass
+from tokenline.engine.types import STRUCTURED_FORMATS, Sampling, TrafficClass
 from tokenline.server import tools
 from tokenline.server.catalog import ServedModel
 from tokenline.server.tools import ToolSpec
-from tokenline.server.errors import InvalidRequest, ModelNotFound, RunLost
-from tokenline.server.timeline import Timeline
+from tokenline.server.errors import InvalidRequest, ModelNotFound
 from tokenline.v1 import tokenline_pb2 as pb
-
-if TYPE_CHECKING:
-    from tokenline.engine.types import WorkerSpec
-    from tokenline.server.runtime import Chunk, RequestState
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -141,7 +134,7 @@ def check(req: pb.GenerateRequest, models: dict[str, ServedModel], default_model
             raise InvalidRequest(f"tool_choice {spec.mode.upper()} constrains the output to tool calls itself; "
                                  "drop structured_output (or use tool_choice AUTO or NONE)")
         sampling = replace(sampling, structured=("json_schema", schema))
-    chat = _check_prompt_size(req, model, limits)
+    chat = check_prompt_size(req, model, limits)
     return CheckedRequest(req, model, sampling, cls, request_id, chat, _samples(req.sampling, sampling), spec)
 
 
@@ -166,7 +159,7 @@ def _samples(s: pb.SamplingParams, sampling: Sampling) -> int:
 def tokenize(checked: CheckedRequest, limits: Limits) -> ValidRequest:
     """The prompt as token ids, and the checks that need them. Blocking: run it off the event loop."""
     req, model, sampling = checked.request, checked.model, checked.sampling
-    prompt_ids = _prompt(req, model, limits, checked.chat)
+    prompt_ids = tokenize_prompt_of(req, model, limits, checked.chat)
     room = model.max_context - len(prompt_ids)
     if sampling.structured[0]:
         from tokenline.server.structured import check_format
@@ -253,10 +246,10 @@ def _more_sampling(s: pb.SamplingParams, model: ServedModel, max_tokens: int) ->
         raise InvalidRequest(f"min_tokens ({s.min_tokens}) must not be more than max_tokens ({max_tokens})")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(s.stop_token_ids)}")
-    _in_vocabulary("stop_token_ids", s.stop_token_ids, model)
+    in_vocabulary("stop_token_ids", s.stop_token_ids, model)
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(s.logit_bias)}")
-    _in_vocabulary("logit_bias", s.logit_bias.keys(), model)
+    in_vocabulary("logit_bias", s.logit_bias.keys(), model)
     for token, bias in s.logit_bias.items():
         if not (math.isfinite(bias) and -100 <= bias <= 100):
             raise InvalidRequest(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
@@ -278,7 +271,7 @@ def _more_sampling(s: pb.SamplingParams, model: ServedModel, max_tokens: int) ->
     )
 
 
-def _in_vocabulary(name: str, ids, model: ServedModel) -> None:
+def in_vocabulary(name: str, ids, model: ServedModel) -> None:
     bad = next((t for t in ids if t >= model.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary of {model.name} (0..{model.vocab_size - 1})")
@@ -308,7 +301,7 @@ def max_prompt_tokens(model: ServedModel, limits: Limits) -> int:
     return min(limits.max_prompt_tokens, model.max_context - 1)
 
 
-def _check_prompt_size(req: pb.GenerateRequest, model: ServedModel, limits: Limits) -> ChatInput | None:
+def check_prompt_size(req: pb.GenerateRequest, model: ServedModel, limits: Limits) -> ChatInput | None:
     """Refuse, before tokenizing, a prompt that cannot fit: no token is longer than `model.max_token_chars`,
     so more characters than that times the prompt's token limit can only be too many tokens."""
     kind = req.WhichOneof("prompt")
@@ -344,7 +337,7 @@ def _check_prompt_size(req: pb.GenerateRequest, model: ServedModel, limits: Limi
     return ChatInput(tuple(rendered), None if listed is None else tuple(listed), tuple(kwargs.items()))
 
 
-def _prompt(req: pb.GenerateRequest, model: ServedModel, limits: Limits, chat: ChatInput | None) -> list[int]:
+def tokenize_prompt_of(req: pb.GenerateRequest, model: ServedModel, limits: Limits, chat: ChatInput | None) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind == "text":
         ids = model.encode(req.text)
@@ -400,32 +393,7 @@ def _chat(chat: pb.ChatMessages) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------ responses
-
-_FINISH = {
-    FinishReason.STOP: pb.STOP,
-    FinishReason.LENGTH: pb.LENGTH,
-    FinishReason.STOP_STRING: pb.STOP_STRING,
-    FinishReason.CANCELLED: pb.CANCELLED,
-    FinishReason.DEADLINE: pb.DEADLINE,
-}
-
-
-def finish_reason(reason: FinishReason | None) -> int:
-    return _FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED) if reason is not None else pb.FINISH_REASON_UNSPECIFIED
-
-
-def timeline_pb(t: Timeline, *, attempts: int, preemptions: int) -> pb.Timeline:
-    msg = pb.Timeline(attempts=attempts, preemptions=preemptions)
-    for name, value in t.stamps_ms().items():
-        if value is not None:
-            setattr(msg, name, value)
-    for name, value in t.splits_ms().items():
-        setattr(msg, name, value)
-    return msg
-
-
-# ----------------------------------------------------------------- responses
+# ----------------------------------------------------------------- parsing
 
 
 class Unparsable:
@@ -455,134 +423,3 @@ def check_parsed(request: object, message: str) -> None:
         raise InvalidRequest(f"the request message could not be parsed as a tokenline.v1.{message}")
 
 
-def chunk_pb(state: RequestState, chunk: Chunk, *, request_id: str = "", sample_index: int = 0) -> pb.GenerateChunk:
-    msg = pb.GenerateChunk(request_id=request_id or state.request_id, attempt=chunk.attempt, index=chunk.index,
-                           token_ids=chunk.token_ids, text=chunk.text, sample_index=sample_index)
-    if chunk.logprobs:
-        msg.logprobs.extend(logprobs_pb(chunk.logprobs))
-    if chunk.index == 0 and state.prompt_logprobs:
-        msg.prompt_logprobs.extend(logprobs_pb(state.prompt_logprobs))
-    return msg
-
-
-def logprobs_pb(positions: Sequence[PositionLogprobs]) -> list[pb.PositionLogprobs]:
-    return [pb.PositionLogprobs(token=_token_logprob(token), top=[_token_logprob(t) for t in top])
-            for token, top in positions]
-
-
-def _token_logprob(t: tuple[int, float, int, str]) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token_id=t[0], logprob=t[1], rank=t[2], text=t[3])
-
-
-def final_chunk(state: RequestState, *, request_id: str = "", sample_index: int = 0) -> pb.GenerateChunk:
-    return pb.GenerateChunk(
-        request_id=request_id or state.request_id, attempt=state.attempt, index=len(state.token_ids),
-        sample_index=sample_index,
-        finish_reason=finish_reason(state.finish_reason), usage=_usage(state),
-        timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
-    )
-
-
-def complete_response(state: RequestState) -> pb.CompleteResponse:
-    return pb.CompleteResponse(
-        request_id=state.request_id, attempt=state.attempt, token_ids=state.token_ids, text="".join(state.text),
-        finish_reason=finish_reason(state.finish_reason), usage=_usage(state),
-        timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
-        logprobs=logprobs_pb(state.logprobs or ()), prompt_logprobs=logprobs_pb(state.prompt_logprobs or ()),
-    )
-
-
-def complete_samples(states: Sequence[RequestState], request_id: str) -> pb.CompleteResponse:
-    """n > 1: sample 0's fields, every sample in `samples`, usage over all of them."""
-    response = complete_response(states[0])
-    response.request_id = request_id
-    response.samples.extend(
-        pb.Sample(sample_index=i, token_ids=s.token_ids, text="".join(s.text), finish_reason=finish_reason(s.finish_reason),
-                  logprobs=logprobs_pb(s.logprobs or ()), usage=_usage(s),
-                  timeline=timeline_pb(s.timeline, attempts=s.attempt, preemptions=s.preemptions))
-        for i, s in enumerate(states))
-    response.usage.completion_tokens = sum(len(s.token_ids) for s in states)
-    response.usage.cached_prompt_tokens = sum(s.cached_tokens for s in states)
-    return response
-
-
-def sample_request_id(request_id: str, index: int) -> str:
-    """The id of a request's sample `index` >= 1 inside the server (sample 0 keeps the caller's id)."""
-    return f"{request_id}#sample-{index}"
-
-
-def _usage(state: RequestState) -> pb.Usage:
-    return pb.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.token_ids),
-                    cached_prompt_tokens=state.cached_tokens)
-
-
-def replay_chunks(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, resume_from: int) -> Iterator[pb.GenerateChunk]:
-    """A stored result as a stream: the tokens after `resume_from` in one chunk, then the final chunk."""
-    if resume_from < len(result.token_ids):
-        yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=resume_from,
-                               token_ids=result.token_ids[resume_from:],
-                               text=_text_from(result, token_text, resume_from),
-                               logprobs=result.logprobs[resume_from:],
-                               prompt_logprobs=result.prompt_logprobs if resume_from == 0 else ())
-    yield pb.GenerateChunk(request_id=result.request_id, attempt=result.attempt, index=len(result.token_ids),
-                           finish_reason=result.finish_reason, usage=result.usage, timeline=result.timeline)
-
-
-def _text_from(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, index: int) -> str:
-    """The text of the tokens from `index` on: the tail of the whole text, always."""
-    if index == 0:
-        return result.text
-    if token_text is not None and len(token_text) == len(result.token_ids):
-        return "".join(token_text[index:])
-    # A row stored before per-token text was kept: no honest split exists, so refuse rather than guess.
-    raise RunLost("this stored result cannot be resumed part-way; send the request again with resume_from_index 0 "
-                  "to receive it whole")
-
-
-def model_info(model: ServedModel, specs: list[WorkerSpec], limits: Limits) -> pb.ModelInfo:
-    """A served model and the workers that have it loaded now."""
-    first = specs[0] if specs else None
-    return pb.ModelInfo(name=model.name, version=model.version, max_context=model.max_context,
-                        loaded=bool(specs), workers=len(specs),
-                        dtype=first.dtype if first else "",
-                        attention_kernel=first.attention_kernel if first else "",
-                        self_check=first.self_check if first else "",
-                        execution=first.execution if first else "",
-                        vocab_size=model.vocab_size, eos_token_ids=model.eos_token_ids,
-                        has_chat_template=model.has_chat_template, chat_template=model.chat_template,
-                        default_max_tokens=min(limits.default_max_tokens, model.max_context - 1),
-                        max_tokens_limit=limits.max_tokens, max_prompt_tokens=max_prompt_tokens(model, limits),
-                        structured_output_formats=STRUCTURED_FORMATS)
-
-
-# ------------------------------------------------------------- tokenizer RPCs
-
-
-def tokenize_prompt(req: pb.TokenizeRequest, models: dict[str, ServedModel], default_model: str,
-                    limits: Limits) -> pb.TokenizeResponse:
-    """A TokenizeRequest's prompt as a GenerateRequest with it would be tokenized. Blocking: off the loop."""
-    model = pick_model(req.model, models, default_model)
-    kind = req.WhichOneof("prompt")
-    if kind is None:
-        raise InvalidRequest("a prompt is required: set text or chat")
-    gen = pb.GenerateRequest(model=req.model)
-    if kind == "text":
-        gen.text = req.text
-    else:
-        gen.chat.CopyFrom(req.chat)
-    chat = _check_prompt_size(gen, model, limits)
-    ids = _prompt(gen, model, limits, chat)
-    pieces = [model.tokenizer.decode([t]) for t in ids]
-    return pb.TokenizeResponse(token_ids=ids, pieces=pieces, max_context=model.max_context)
-
-
-MAX_DETOKENIZE_IDS = 1_000_000
-
-
-def detokenize_ids(req: pb.DetokenizeRequest, models: dict[str, ServedModel], default_model: str) -> pb.DetokenizeResponse:
-    model = pick_model(req.model, models, default_model)
-    if len(req.token_ids) > MAX_DETOKENIZE_IDS:
-        raise InvalidRequest(f"at most {MAX_DETOKENIZE_IDS} token ids can be detokenized at once, got {len(req.token_ids)}")
-    _in_vocabulary("token_ids", req.token_ids, model)
-    text = model.tokenizer.decode(list(req.token_ids), skip_special_tokens=req.skip_special_tokens)
-    return pb.DetokenizeResponse(text=text)

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tokenline.engine.types import FinishReason
-from tokenline.server import convert
+from tokenline.server import responses
 from tokenline.server.errors import IdempotencyMismatch, RunLost, ServingError
 from tokenline.server.runtime import RequestState
 from tokenline.server.sqlstore import SqlStore
@@ -303,7 +303,7 @@ class Idempotency:
         # Queued to the store's thread now (a later lookup is queued after it); failures are logged there.
         if state.error is None and state.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING):
             _in_background(self.store.complete(state.tenant, state.idempotency_key, state.fingerprint,
-                                               convert.complete_response(state).SerializeToString(), state.text))
+                                               responses.complete_response(state).SerializeToString(), state.text))
         else:
             _in_background(self.store.abandon(state.tenant, state.idempotency_key))
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from tokenline.server import convert, tools
+from tokenline.server import convert, responses, tools
 from tokenline.server.auth import DEFAULT_TENANT, Authenticator
 from tokenline.server.catalog import ServedModel
 from tokenline.server.errors import (DeadlineUnmeetable, InvalidRequest, Overloaded, RequestNotFound, ServingError,
@@ -64,7 +64,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         async with self._call(request, context) as call:
             out = self._tool_chunks(call)
             if call.replay is not None:
-                for chunk in convert.replay_chunks(call.replay.result, call.replay.token_text, request.resume_from_index):
+                for chunk in responses.replay_chunks(call.replay.result, call.replay.token_text, request.resume_from_index):
                     yield out(chunk)
                 call.outcome = "replayed"
                 return
@@ -75,9 +75,9 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                 return
             state = call.state
             async for chunk in self.runtime.events(state, call.mailbox, request.resume_from_index):
-                yield out(convert.chunk_pb(state, chunk))
+                yield out(responses.chunk_pb(state, chunk))
             state.timeline.last_byte = time.monotonic()
-            yield out(convert.final_chunk(state))
+            yield out(responses.final_chunk(state))
             state.timeline.last_byte = time.monotonic()
             call.outcome = _outcome(state)
 
@@ -92,13 +92,13 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                         pass
                     state.timeline.last_byte = time.monotonic()
                 call.outcome = _outcome(call.state)
-                return self._tool_calls(call, convert.complete_samples([s for s, _ in call.samples], call.state.request_id))
+                return self._tool_calls(call, responses.complete_samples([s for s, _ in call.samples], call.state.request_id))
             state = call.state
             async for _ in self.runtime.events(state, call.mailbox):
                 pass
             state.timeline.last_byte = time.monotonic()
             call.outcome = _outcome(state)
-            return self._tool_calls(call, convert.complete_response(state))
+            return self._tool_calls(call, responses.complete_response(state))
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         try:
@@ -108,7 +108,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             await abort_with(context, err)
         # Another tenant's request is indistinguishable from no request at all.
         keys = [RequestKey(tenant, request.request_id)] + [  # and the samples of an n > 1 request
-            RequestKey(tenant, convert.sample_request_id(request.request_id, i)) for i in range(1, convert.MAX_SAMPLES)]
+            RequestKey(tenant, responses.sample_request_id(request.request_id, i)) for i in range(1, convert.MAX_SAMPLES)]
         if not request.request_id or not any([self.runtime.cancel(key) for key in keys]):
             await abort_with(context, RequestNotFound(f"no request {request.request_id!r} is queued or running"))
         return pb.CancelResponse(cancelled=True)
@@ -120,14 +120,14 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         except ServingError as err:
             await abort_with(context, err)
         specs = list(self.runtime.specs.values())
-        return pb.ListModelsResponse(models=[convert.model_info(m, [s for s in specs if s.model == m.name], self.limits)
+        return pb.ListModelsResponse(models=[responses.model_info(m, [s for s in specs if s.model == m.name], self.limits)
                                              for m in self.models.values()])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        return await self._tokenizer_call(request, context, "TokenizeRequest", convert.tokenize_prompt, self.limits)
+        return await self._tokenizer_call(request, context, "TokenizeRequest", responses.tokenize_prompt, self.limits)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        return await self._tokenizer_call(request, context, "DetokenizeRequest", convert.detokenize_ids)
+        return await self._tokenizer_call(request, context, "DetokenizeRequest", responses.detokenize_ids)
 
     async def _tokenizer_call(self, request, context: grpc.aio.ServicerContext, message: str, work, *extra):  # noqa: ANN001
         """A tokenizer RPC: checked and authenticated here, the tokenizer's work off the event loop."""
@@ -290,7 +290,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         try:
             for i in range(valid.n):
                 seed = valid.sampling.seed
-                one = replace(valid, request_id=request_id if i == 0 else convert.sample_request_id(request_id, i),
+                one = replace(valid, request_id=request_id if i == 0 else responses.sample_request_id(request_id, i),
                               sampling=valid.sampling if seed is None else replace(valid.sampling, seed=seed + i))
                 run = self._run(request, context, received, tenant, one, "")
                 samples.append((run.state, run.mailbox))
@@ -309,9 +309,9 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         async def follow(i: int, state: RequestState, mailbox: asyncio.Queue) -> None:
             try:
                 async for chunk in self.runtime.events(state, mailbox):
-                    merged.put_nowait(convert.chunk_pb(state, chunk, request_id=request_id, sample_index=i))
+                    merged.put_nowait(responses.chunk_pb(state, chunk, request_id=request_id, sample_index=i))
                 state.timeline.last_byte = time.monotonic()
-                merged.put_nowait(convert.final_chunk(state, request_id=request_id, sample_index=i))
+                merged.put_nowait(responses.final_chunk(state, request_id=request_id, sample_index=i))
                 merged.put_nowait(None)
             except ServingError as err:
                 merged.put_nowait(err)
