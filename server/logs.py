@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -50,3 +51,18 @@ def configure(level: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(SafeFormatter(FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def snake_case(name: str) -> str:
+    """Outcome labels: "DeadlineUnmeetable" → "deadline_unmeetable"; "stop" stays."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def logfmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    text = str(value)
+    if not text or any(c in text for c in ' ="\\') or escape(text) != text:
+        # Quoted, with control characters escaped: a caller's id can never end the line or the field.
+        return '"' + escape(text.replace("\\", "\\\\")).replace('"', '\\"') + '"'
+    return text

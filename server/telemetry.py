@@ -12,7 +12,6 @@ each one measures (milliseconds for waits and token gaps, seconds for whole requ
 Labels are bounded: model, class, outcome, refusal reason, worker; tenant only on
 `tokenline_requests_total`, and only for the first `max_tenant_labels` tenants seen.
 """
-# Over 400 lines: metrics, traces and the request log share one per-request bill and one snapshot of the runtime.
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,62 +37,15 @@ from opentelemetry.trace import Link, Status, StatusCode
 from tokenline.engine.scheduler.records import Retry, StepResult, StopRun
 from tokenline.engine.types import StepReport, TrafficClass
 
-from tokenline.server.logs import escape
+from tokenline.server.logs import logfmt, snake_case
+from tokenline.server.telemetry_config import FIRST_TOKEN_BUCKETS, GAP_BUCKETS, OTLP_ENDPOINT_ENV, SPLITS, TelemetryConfig
 
 if TYPE_CHECKING:
     from tokenline.server.runtime import RequestKey, RequestState, Runtime
 
 log = logging.getLogger("tokenline.telemetry")
 
-OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 MAX_TRACKED = 4096  # requests with interruptions or admission links kept at once
-
-# Bucket boundaries (seconds). 0 is a bucket of its own: "no wait at all" is the common,
-# healthy case for the waits, and an operator wants to see how often it holds.
-WAIT_BUCKETS = (0.0, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
-FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
-
-# One histogram per split: (key in Timeline.splits_ms or "intake", metric name, buckets, help).
-SPLITS = (
-    ("intake_ms", "tokenline_request_intake_seconds", WAIT_BUCKETS,
-     "Received to enqueued: validation and tokenization."),
-    ("admission_wait_ms", "tokenline_request_admission_wait_seconds", WAIT_BUCKETS,
-     "Waiting to be batched: queued while some worker had room, until the dispatch rule fired."),
-    ("queueing_ms", "tokenline_request_queueing_seconds", WAIT_BUCKETS,
-     "Waiting for capacity: queued while no worker had room."),
-    ("prefill_ms", "tokenline_request_prefill_seconds", FIRST_TOKEN_BUCKETS,
-     "Admitted to a worker until the first token."),
-    ("decode_ms", "tokenline_request_decode_seconds", REQUEST_BUCKETS, "First token to last token."),
-    ("return_ms", "tokenline_request_return_seconds", WAIT_BUCKETS,
-     "Finished in the engine until the last byte was written to the stream."),
-    ("ttft_ms", "tokenline_request_ttft_seconds", FIRST_TOKEN_BUCKETS, "Time to first token, from receipt."),
-    ("itl_mean_ms", "tokenline_request_itl_mean_seconds", GAP_BUCKETS, "Mean inter-token gap of one request."),
-    ("completion_ms", "tokenline_request_completion_seconds", REQUEST_BUCKETS,
-     "Received until the last byte was written (requests that got their final message)."),
-)
-
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "OFF")
-
-
-@dataclass(frozen=True)
-class TelemetryConfig:
-    """Where telemetry goes. Nothing is exported unless asked for; the request log is on."""
-
-    metrics_port: int | None = None  # Prometheus endpoint; None: off, 0: any free port
-    metrics_host: str = "127.0.0.1"
-    otlp_endpoint: str | None = None  # None: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no OTLP
-    request_log_level: str = "INFO"  # level of the per-request line, or OFF
-    max_tenant_labels: int = 16  # tenants beyond these are labelled "other"
-
-    def __post_init__(self) -> None:
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics port must be in 0..65535, got {self.metrics_port}")
-        if self.request_log_level.upper() not in _LOG_LEVELS:
-            raise ValueError(f"request log level {self.request_log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
-        if self.max_tenant_labels < 0:
-            raise ValueError(f"max_tenant_labels must be >= 0, got {self.max_tenant_labels}")
 
 
 @dataclass
@@ -263,7 +214,7 @@ class Telemetry:
     @_guarded
     def on_request_done(self, state: RequestState, outcome: str) -> None:
         """A call that reached the runtime ended: record its bill, its span and its log line."""
-        outcome = _snake(outcome)
+        outcome = snake_case(outcome)
         tl = state.timeline
         cls = state.cls.name.lower()
         extra = self._extra.pop(state.key, None) or _Extra()
@@ -309,8 +260,8 @@ class Telemetry:
         model = request.model or self._default_model
         labels = {"model": model if model in self._models else "unknown",
                   "class": {0: "interactive", TrafficClass.INTERACTIVE: "interactive", TrafficClass.BULK: "bulk"}.get(request.traffic_class, "unknown")}
-        reason = getattr(err, "reason", None) or _snake(type(err).__name__)
-        outcome = _snake(type(err).__name__)
+        reason = getattr(err, "reason", None) or snake_case(type(err).__name__)
+        outcome = snake_case(type(err).__name__)
         self._refusals.add(1, {**labels, "reason": reason})
         self._requests.add(1, {**labels, "outcome": outcome, "tenant": self._tenant_label(tenant)})
         trace.get_current_span().set_attribute("tokenline.refusal", reason)
@@ -347,7 +298,7 @@ class Telemetry:
     def _log(self, fields: dict[str, Any]) -> None:
         if self._log_level is None or not self.request_log.isEnabledFor(self._log_level):
             return
-        self.request_log.log(self._log_level, "request %s", " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items() if v is not None))
+        self.request_log.log(self._log_level, "request %s", " ".join(f"{k}={logfmt(v)}" for k, v in fields.items() if v is not None))
 
     # ------------------------------------------------------ engine events
 
@@ -494,18 +445,3 @@ class Telemetry:
 
 def _span_ms(a: float | None, b: float | None) -> float:
     return max((b - a) * 1000.0, 0.0) if a is not None and b is not None else 0.0
-
-
-def _snake(name: str) -> str:
-    """Outcome labels: "DeadlineUnmeetable" → "deadline_unmeetable"; "stop" stays."""
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
-
-
-def _logfmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    text = str(value)
-    if not text or any(c in text for c in ' ="\\') or escape(text) != text:
-        # Quoted, with control characters escaped: a caller's id can never end the line or the field.
-        return '"' + escape(text.replace("\\", "\\\\")).replace('"', '\\"') + '"'
-    return text

@@ -23,7 +23,8 @@ from tests.support import ServerProcess, wait_until
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.models import resolve_model
 from tokenline.server.app import ServeConfig, serve
-from tokenline.server.telemetry import Telemetry, TelemetryConfig, _logfmt, _snake
+from tokenline.server.logs import logfmt as _logfmt, snake_case as _snake
+from tokenline.server.telemetry import Telemetry, TelemetryConfig
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
