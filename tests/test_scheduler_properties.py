@@ -57,8 +57,8 @@ def check_invariants(sim: Simulation) -> None:
         if head is not None and head.arrival <= now:
             for wid in model.workers:
                 w = sched.workers[wid]
-                budget = sched._budget(w)
-                reserve = sched._bulk_reserve(w, model)
+                budget = sched.rules.budget(w)
+                reserve = sched.rules.bulk_reserve(w, model)
                 trial = budget.copy()
                 trial.slots -= reserve
                 if not sched.admission.keeps_deadlines(w, len(w.running) + 1, now):

@@ -1,0 +1,86 @@
+"""The dispatch rule (core.py applies it at every event): what a worker can take now (its step budget), when a
+class's queue is released to it (the budget would be filled, the oldest request has waited its admission
+window, or waiting longer would threaten a deadline), and the slots interactive leaves to waiting bulk.
+Reads the scheduler's state, given explicitly; changes none of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tokenline.engine.scheduler.admission import AdmissionControl
+from tokenline.engine.scheduler.budget import StepBudget
+from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.state import ModelState, WorkerView
+from tokenline.engine.types import TrafficClass
+
+
+class DispatchRules:
+    def __init__(self, config: SchedulerConfig, models: dict[str, ModelState], admission: AdmissionControl):
+        self.config = config
+        self.models = models
+        self.admission = admission
+
+    def budget(self, w: WorkerView, *, at_boundary: bool = False) -> StepBudget:
+        """What `w` can take now. Prompts admitted but not yet applied (`pending_prefill`) go into its
+        next step. A worker starts its next step as soon as it has reported, before this frontend has
+        read the report, so what is admitted on its report (`at_boundary`) lands in the step after
+        next: only pending prompts beyond one step's budget spill into that one. (Counting them all,
+        a worker at saturation took a step's prompts every other step: one 256-token prompt a step
+        where its budget holds two, and its batch filled at half speed.) An interactive request counts
+        only the interactive prompts pending: the worker computes it before bulk prompts it has not begun
+        (budget.py); counting those, it waited a report, and on a worker that runs ahead a step more.
+        Not until the worker's steps have shown what a sequence costs: before, the ITL target's rule
+        (planner.py `keeps_itl_target`) would take any number of streams as free, and the pending bulk prompts
+        are what spaces interactive admissions out."""
+        free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
+        budget = w.spec.prefill_token_budget
+        pending = sum(n for n, _ in w.pending_prefill.values())
+        interactive = sum(n for _, n in w.pending_prefill.values()) if w.pace.cadence.knows_sequence_cost else pending
+        if at_boundary and w.spec.runs_ahead:
+            pending, interactive = max(pending - budget, 0), max(interactive - budget, 0)
+        pending, interactive = pending + w.stalled_prefill, interactive + w.stalled_prefill
+        return StepBudget(
+            slots=w.slots_free(),
+            blocks=free_blocks,
+            prefill_tokens=max(budget - pending, 0),
+            block_size=w.spec.block_size,
+            fresh_step=pending == 0,
+            margin_tokens=self.config.kv_margin_tokens,
+            interactive_prefill_tokens=max(budget - interactive, 0),
+            interactive_fresh=interactive == 0,
+        )
+
+    def fires(self, model_name: str, cls: TrafficClass, budget: StepBudget, now: float) -> bool:
+        """Admit now if the budget would be filled, the window ran out, or a deadline is threatened."""
+        if budget.exhausted_for(cls):
+            return False
+        fires_at = self.fires_at(model_name, self.models[model_name], cls)
+        if fires_at is not None and fires_at <= now:
+            return True
+        trial = budget.copy()
+        for e in self.models[model_name].queues[cls]:
+            if not trial.try_admit(e):
+                return True
+            if trial.exhausted_for(cls):
+                return True
+        return False
+
+    def fires_at(self, model_name: str, model: ModelState, cls: TrafficClass) -> float | None:
+        oldest = model.queues[cls].oldest()
+        if oldest is None:
+            return None
+        at = oldest.arrival + self.config.for_class(cls).admission_window_s
+        if model.queues[cls].with_deadline:
+            for e in model.queues[cls]:
+                if e.deadline is not None:
+                    at = min(at, e.deadline - self.admission.service_estimate(model_name, e))
+        return at
+
+    def bulk_reserve(self, w: WorkerView, model: ModelState) -> int:
+        """Slots interactive may not take from this worker while bulk waits below its floor."""
+        if not model.queues[TrafficClass.BULK] or self.config.bulk_floor == 0:
+            return 0
+        floor = max(1, math.floor(w.spec.max_seqs * self.config.bulk_floor))
+        bulk_running = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK)
+        return max(floor - bulk_running, 0)
