@@ -122,3 +122,27 @@ def test_a_burst_after_an_idle_spell_is_not_refused_for_its_deadline_by_what_the
     # Full, the model does give evidence: its drain rate is what it finished per second full.
     rate = sim.scheduler.admission.drain_rate(sim.scheduler.models["sim"], 2.0 + 5.0)
     assert rate > 0
+
+
+def test_a_new_config_reaches_admission_at_once():
+    # The server swaps the scheduler's config when the keys file changes (its quotas); admission control,
+    # the dispatch rule and the planner are parts of the scheduler and must read the new one, not a copy.
+    from dataclasses import replace
+
+    from tokenline.engine.scheduler.config import TenantConfig
+    from tokenline.engine.scheduler.records import Refuse
+
+    sim = simulation((worker_spec(0, max_seqs=8, continuous=True), linear_cost(0.02, 0.002)))
+    s = sim.scheduler
+    s.add_worker(worker_spec(0, max_seqs=8, continuous=True))
+    s.config = replace(s.config, tenants={"t": TenantConfig(max_concurrent=1)})
+    from tokenline.engine.scheduler.records import Entry
+    from tokenline.engine.types import TrafficClass
+
+    def entry(key):
+        return Entry(key=key, model="sim", tenant="t", cls=TrafficClass.INTERACTIVE, prompt_tokens=8, max_tokens=16, arrival=0.0)
+
+    assert not any(isinstance(a, Refuse) for a in s.submit(entry("a")))
+    refused = [a for a in s.submit(entry("b")) if isinstance(a, Refuse)]
+    assert refused and "its limit is 1" in refused[0].message
+    assert s.admission.config is s.config and s.rules.config is s.config and s.planner.config is s.config

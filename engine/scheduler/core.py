@@ -60,7 +60,7 @@ class _Round:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float]):
-        self.config = config
+        self._config = config
         self.clock = clock
         self.entries: dict[str, Entry] = {}
         self.models: dict[str, ModelState] = {}
@@ -79,6 +79,17 @@ class Scheduler:
         self.admission = AdmissionControl(config, self.models, self.workers, self.entries, self.on_demand,
                                           self._tenant_inflight, self._tenant_queued_tokens, self._model)
         self.rules = DispatchRules(config, self.models, self.admission)  # budgets and when queues are released
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: SchedulerConfig) -> None:
+        """A new config (a changed keys file's quotas) reaches every part that reads one, at once."""
+        self._config = config
+        for part in (self.admission, self.rules, self.planner):
+            part.config = config
 
     # ------------------------------------------------------------------ events
 
