@@ -186,6 +186,12 @@ class AdmissionControl:
                   + e.remaining * est.step_s(len(w.running) + 1))
         return finish > e.deadline
 
+    def first_token_at(self, e: Entry, w: WorkerView, now: float) -> tuple[float, int, int]:
+        """When `e` would get its first token on `w` (its pace's forecast, with the prompts `w` still owes);
+        ties (before any step was measured) go to the smaller batch, then to more free slots."""
+        owed = self.prefill_owed(w) + e.prompt_tokens + e.generated
+        return w.pace.first_token_at(now, len(w.running), owed), len(w.running), -w.slots_free()
+
     @staticmethod
     def prefill_owed(w: WorkerView) -> int:
         """Prompt tokens admitted to `w` that it has not computed yet (no token produced since admission)."""

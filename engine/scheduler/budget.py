@@ -4,7 +4,7 @@ KV is counted on what sequences really hold, not on what they might: a running s
 reserves the blocks for its prompt and the tokens it has produced, plus a margin of
 `margin_tokens` it may add before the scheduler sees its worker's next report. Reservations
 grow with every report (the scheduler re-counts them) and, when a worker's KV runs short,
-bulk gives way first (core.py). A request asking for 4,000 tokens that stops after 40 holds
+bulk gives way first (preemption.py). A request asking for 4,000 tokens that stops after 40 holds
 40 tokens' worth of KV, not 4,000.
 
 An interactive request is admitted only where its whole output would fit in the KV free now,

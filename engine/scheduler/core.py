@@ -8,9 +8,12 @@ The decision at every event is `_dispatch`: for each worker with room, build a
 fresh budget and admit interactive first, then bulk, each class only when its
 dispatch rule fires (the budget would be filled, the oldest request has waited
 its admission window, or waiting longer would threaten a deadline).
+
+The event handlers and the dispatch round live here, over one state and one invariant (every event ends
+in `_dispatch`); the rules they apply are composed parts, each given that state explicitly: admission.py
+(estimates, refusals), rules.py (the dispatch rule), planner.py (step plans), crashes.py (a dead
+worker's runs, suspects and survivors), preemption.py (when running bulk gives way).
 """
-# Over 450 lines still (#37 asks for fewer): the event handlers, the dispatch round, crash rules and preemption
-# share one state and one invariant (every event ends in _dispatch); pace, planner, admission and rules are apart.
 
 from __future__ import annotations
 
@@ -18,44 +21,23 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from tokenline.engine.scheduler.admission import AdmissionControl
-from tokenline.engine.scheduler.rules import DispatchRules
-from tokenline.engine.scheduler.budget import StepBudget, blocks_for
+from tokenline.engine.scheduler.budget import blocks_for
 from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.crashes import CrashRecovery
 from tokenline.engine.scheduler.pace import WorkerPace
 from tokenline.engine.scheduler.planner import StepPlanner
+from tokenline.engine.scheduler.preemption import Preemption
 from tokenline.engine.scheduler.queues import ClassQueue
-from tokenline.engine.scheduler.records import (
-    Action,
-    Admission,
-    Compose,
-    Counters,
-    Dispatch,
-    Entry,
-    Expire,
-    Delivery,
-    Fail,
-    Retry,
-    StepResult,
-    StopRun,
-)
-from tokenline.engine.scheduler.state import ModelState, WorkerView
+from tokenline.engine.scheduler.records import (Action, Admission, Compose, Counters, Delivery, Dispatch, Entry, Expire,
+                                                StepResult, StopRun)
+from tokenline.engine.scheduler.rules import DispatchRules
+from tokenline.engine.scheduler.state import ModelState, Round, WorkerView
 from tokenline.engine.scheduler.status import FINAL, Status, transition
 from tokenline.engine.types import FinishReason, StepReport, TrafficClass, WorkerSpec
 
 CLASSES = (TrafficClass.INTERACTIVE, TrafficClass.BULK)
-
-
-@dataclass
-class _Round:
-    """One admission round's working state, per worker: budget left, still taking work, admitted."""
-
-    workers: list[int]
-    budgets: dict[int, StepBudget]
-    open: dict[int, bool]
-    admitted: dict[int, list[Admission]]
 
 
 class Scheduler:
@@ -74,11 +56,17 @@ class Scheduler:
         # Models whose workers start on demand (autoscaled from zero) -> seconds a start takes: with no
         # worker their requests queue (the queue starts one) instead of being refused.
         self.on_demand: dict[str, float] = {}
-        self._next_group = 1  # the next suspect group's number
         # Estimates and refusals (engine/scheduler/admission.py), over this state.
         self.admission = AdmissionControl(config, self.models, self.workers, self.entries, self.on_demand,
                                           self._tenant_inflight, self._tenant_queued_tokens, self._model)
-        self.rules = DispatchRules(config, self.models, self.admission)  # budgets and when queues are released
+        self.rules = DispatchRules(config, self.models, self.admission, self.planner)  # budgets, when queues are released
+        # A dead worker's runs, suspects and survivors (engine/scheduler/crashes.py).
+        self.crashes = CrashRecovery(config, self.workers, self.entries, self._model, can_take=self.rules.can_take,
+                                     first_token_at=self.admission.first_token_at, enqueue=self._enqueue,
+                                     forget=self._forget, take=self._take)
+        # When running bulk gives way, and KV reservations as runs grow (engine/scheduler/preemption.py).
+        self.preemption = Preemption(config, self.workers, self.counters, self.rules, self.planner,
+                                     release=self._release, enqueue=self._enqueue)
 
     @property
     def config(self) -> SchedulerConfig:
@@ -88,7 +76,7 @@ class Scheduler:
     def config(self, config: SchedulerConfig) -> None:
         """A new config (a changed keys file's quotas) reaches every part that reads one, at once."""
         self._config = config
-        for part in (self.admission, self.rules, self.planner):
+        for part in (self.admission, self.rules, self.planner, self.crashes, self.preemption):
             part.config = config
 
     # ------------------------------------------------------------------ events
@@ -107,54 +95,11 @@ class Scheduler:
         return self._dispatch(spec.model)
 
     def worker_lost(self, worker_id: int) -> list[Action]:
-        """A worker died: its runs go again as new attempts, or fail."""
+        """A worker died: its runs go again as new attempts, or fail (the crash rules: crashes.py)."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
-        model = self._model(w.spec.model)
-        model.workers.remove(worker_id)
-        now = self.clock()
-        actions: list[Action] = []
-        alone = len(w.running) == 1
-        if w.running:  # a crash (a removed worker is idle): the supervisor restarts it
-            model.replacements_due.append(now)
-        suspects: list[Entry] = []
-        for e in list(w.running.values()):
-            was_isolated = self._isolated(e)
-            e.crashes += 1
-            e.worker_id, e.blocks = None, 0
-            cls_cfg = self.config.for_class(e.cls)
-            if (was_isolated and alone) or (not was_isolated and e.crashes >= self.config.quarantine_after_crashes):
-                transition(e, Status.FAILED)
-                why = "while it ran alone" if was_isolated and alone else "while running it"
-                actions.append(Fail(e.key, f"quarantined: a worker died {e.crashes} times {why}", True))
-            elif e.attempt >= cls_cfg.max_attempts and not was_isolated:  # a group's rerun is diagnosis, not a retry
-                transition(e, Status.FAILED)
-                actions.append(Fail(e.key, f"worker died and all {cls_cfg.max_attempts} attempts are spent"))
-            elif e.deadline is not None and e.deadline <= now:
-                transition(e, Status.EXPIRED)
-                actions.append(Expire(e.key))
-            else:
-                transition(e, Status.QUEUED)
-                e.attempt += 1
-                if self._isolated(e):
-                    suspects.append(e)
-                elif model.workers:  # others still serve: one of them stays clean (see _admit_survivors)
-                    self._enqueue(e, now, survivor=True)
-                else:
-                    self._enqueue(e, now, front=True)
-                actions.append(Retry(e.key, e.attempt))
-                continue
-            self._forget(e)
-        # Bisection: the suspects of this crash rerun as two groups, each apart from all other work; a
-        # group that finishes clears its members, one that crashes is split again, and one that crashes
-        # alone names its culprit. log2(n) reruns, in parallel on idle workers, instead of n one by one.
-        half = (len(suspects) + 1) // 2
-        for i, e in enumerate(suspects):
-            e.suspect_group = self._next_group + (i >= half)
-            self._enqueue(e, now, front=True)
-        self._next_group += 2
-        return actions + self._dispatch(w.spec.model)
+        return self.crashes.worker_lost(w, self.clock()) + self._dispatch(w.spec.model)
 
     def submit(self, entry: Entry) -> list[Action]:
         """A new request: refuse it now, or queue it (and maybe dispatch it)."""
@@ -231,8 +176,8 @@ class Scheduler:
             if out.finished:
                 self._finish(e, now)
             else:
-                self._recount_blocks(e, w)
-        result.actions = self._relieve_kv_pressure(w, now) + self._dispatch(w.spec.model, reporting=w.spec.worker_id)
+                self.preemption.recount_blocks(e, w)
+        result.actions = self.preemption.relieve_kv_pressure(w, now) + self._dispatch(w.spec.model, reporting=w.spec.worker_id)
         return result
 
     def _learn(self, w: WorkerView, report: StepReport, now: float) -> None:
@@ -296,7 +241,7 @@ class Scheduler:
         actions: list[Action] = self._expire_overdue(now)
         admitted = self._admit_queued(model_name, model, now, reporting)
         if self.config.preempt_bulk:
-            stopped = self._preempt_for_interactive(model_name, model, now)
+            stopped = self.preemption.for_interactive(model_name, model, now)
             if stopped:
                 actions += admitted + stopped
                 admitted = self._admit_queued(model_name, model, now, reporting)
@@ -308,13 +253,13 @@ class Scheduler:
         no worker may unblock one behind it elsewhere, and slots held for waiting bulk return to
         interactive once bulk has gone). One Dispatch per worker that got anything."""
         workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
-        r = _Round(workers, {wid: self.rules.budget(self.workers[wid], at_boundary=wid == reporting) for wid in workers},
-                   {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
+        r = Round(workers, {wid: self.rules.budget(self.workers[wid], at_boundary=wid == reporting) for wid in workers},
+                  {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
         actions: list[Action] = []
         if model.suspects:
-            self._admit_suspects(model, r, now)
+            self.crashes.admit_suspects(model, r, now)
         if model.survivors:
-            self._admit_survivors(model, r, now)
+            self.crashes.admit_survivors(model, r, now)
         while any([self._admit_class(model_name, model, cls, r, now, actions) for cls in CLASSES]):  # both classes every pass
             pass
         for wid in workers:
@@ -327,65 +272,7 @@ class Scheduler:
                 actions.append(Dispatch(wid, w.seq, tuple(r.admitted[wid]), idle_before=len(w.running) == len(r.admitted[wid])))
         return actions
 
-    def _admit_suspects(self, model: ModelState, r: _Round, now: float) -> None:
-        """Each waiting suspect group onto an idle worker of its own, as far as they fit; while the model
-        has more than one worker, one is always left to the rest of the work (newcomers are not held up
-        by a diagnosis)."""
-        def idle(wid: int) -> bool:
-            return r.open[wid] and not self.workers[wid].running and not r.admitted[wid]
-
-        def diagnosing(wid: int) -> bool:
-            return any(self._isolated(e) for e in self.workers[wid].running.values()) or \
-                any(self._isolated(self.entries[a.key]) for a in r.admitted[wid])
-
-        several = len(r.workers) + self._replacements_due(model, now) > 1
-        for group in dict.fromkeys(e.suspect_group for e in model.suspects):
-            free = [wid for wid in r.workers if idle(wid)]
-            busy = sum(1 for wid in r.workers if diagnosing(wid))
-            if not free or (several and busy + 1 >= len(r.workers)):
-                return  # (a model of several with one worker up, the others restarting: that one serves)
-            wid = free[0]
-            w, budget = self.workers[wid], r.budgets[wid]
-            for e in [e for e in model.suspects if e.suspect_group == group]:
-                if budget.slots < 1 or not budget.fits(e):
-                    break  # the rest of the group waits for the next idle worker
-                budget.try_admit(e)
-                self._dequeue(e, admitted=True)
-                r.admitted[wid].append(self._admit(e, w, now))
-            r.open[wid] = False
-
-    def _admit_survivors(self, model: ModelState, r: _Round, now: float) -> None:
-        """A crash's survivors, each where its first token comes soonest among the workers that leave another
-        worker of the model clean (no crashed run on it): were a poison among them, its next crash takes one
-        worker, never all, and newcomers keep one. Past `survivors_wait_s` (the crashed worker's replacement
-        has not come), any worker."""
-        for e in list(model.survivors):
-            waited_out = now - e.queued_since >= self.config.survivors_wait_s
-            candidates = [wid for wid in r.workers if r.open[wid]
-                          and (waited_out or any(not self._holds_crashed(o, r) for o in r.workers if o != wid))
-                          and self._can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
-            if not candidates:
-                continue
-            # Where the fewest would share a next crash (a fresh replacement, rather than a worker full of
-            # innocents), then where the first token comes soonest.
-            wid = min(candidates, key=lambda i: (len(self.workers[i].running) + len(r.admitted[i]),
-                                                 self._first_token_at(e, self.workers[i], now)))
-            r.budgets[wid].try_admit(e)
-            self._dequeue(e, admitted=True)
-            r.admitted[wid].append(self._admit(e, self.workers[wid], now))
-
-    def _holds_crashed(self, wid: int, r: _Round) -> bool:
-        """Does the worker run (or get this round) a request that was running at a crash?"""
-        return any(x.crashes for x in self.workers[wid].running.values()) or \
-            any(self.entries[a.key].crashes for a in r.admitted[wid])
-
-    def _replacements_due(self, model: ModelState, now: float) -> int:
-        """Workers of the model that died holding work and are being restarted (for survivors_wait_s at most)."""
-        while model.replacements_due and model.replacements_due[0] < now - self.config.survivors_wait_s:
-            model.replacements_due.pop(0)
-        return len(model.replacements_due)
-
-    def _admit_class(self, model_name: str, model: ModelState, cls: TrafficClass, r: _Round, now: float,
+    def _admit_class(self, model_name: str, model: ModelState, cls: TrafficClass, r: Round, now: float,
                      actions: list[Action]) -> bool:
         """Admit heads of `cls`'s queue where its dispatch rule fires, each on the worker where its
         first token comes soonest; stops at a head that fits nowhere. True if any moved."""
@@ -395,11 +282,12 @@ class Scheduler:
         while queue:
             e = queue.peek()
             candidates = [wid for wid in r.workers if fires[wid] and r.open[wid]
-                          and self._can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
+                          and self.rules.can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
             if not candidates:
                 return moved  # the head fits nowhere now: it keeps its place
             # A worker running a crash's survivors may crash again: new work goes to a clean one if it can.
-            wid = min(candidates, key=lambda i: (self._holds_crashed(i, r), self._first_token_at(e, self.workers[i], now)))
+            wid = min(candidates, key=lambda i: (self.crashes.holds_crashed(i, r),
+                                                 self.admission.first_token_at(e, self.workers[i], now)))
             w = self.workers[wid]
             if self.admission.cannot_complete(e, w, now):
                 self._dequeue(e)  # it asked to finish by its deadline, and no longer can
@@ -407,10 +295,8 @@ class Scheduler:
                 self._forget(e)
                 actions.append(Expire(e.key))
                 continue
-            r.budgets[wid].try_admit(e)
-            self._dequeue(e, admitted=True)
-            r.admitted[wid].append(self._admit(e, w, now))
-            r.open[wid] = not self._isolated(e)
+            self._take(e, wid, r, now)
+            r.open[wid] = not self.crashes.isolated(e)
             moved = True
         return moved
 
@@ -427,29 +313,11 @@ class Scheduler:
             w.plan = plan
         return actions
 
-    def _isolated(self, e: Entry) -> bool:
-        """A suspect: running when workers died often enough that it must run alone."""
-        return e.crashes >= self.config.isolate_after_crashes
-
-    def _can_take(self, e: Entry, w: WorkerView, budget: StepBudget, model: ModelState, admitted: list[Admission],
-                  now: float) -> bool:
-        """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?"""
-        if self._isolated(e) and (w.running or admitted):
-            return False  # a suspect waits for an idle worker
-        # Interactive leaves bulk its floor; bulk leaves interactive its held slots.
-        reserve = self.rules.bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else w.held_for_interactive()
-        if budget.slots - 1 < reserve or not budget.fits(e):
-            return False
-        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model):
-            return False
-        # One more sequence must not slow running requests past their deadlines.
-        return self.admission.keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
-
-    def _first_token_at(self, e: Entry, w: WorkerView, now: float) -> tuple[float, int, int]:
-        """When `e` would get its first token on `w` (its pace's forecast, with the prompts `w` still owes);
-        ties (before any step was measured) go to the smaller batch, then to more free slots."""
-        owed = self.admission.prefill_owed(w) + e.prompt_tokens + e.generated
-        return w.pace.first_token_at(now, len(w.running), owed), len(w.running), -w.slots_free()
+    def _take(self, e: Entry, wid: int, r: Round, now: float) -> None:
+        """Admit `e` onto worker `wid` in this round: out of its budget and its queue, into the round's admissions."""
+        r.budgets[wid].try_admit(e)
+        self._dequeue(e, admitted=True)
+        r.admitted[wid].append(self._admit(e, self.workers[wid], now))
 
     def _admit(self, e: Entry, w: WorkerView, now: float) -> Admission:
         model = self.models[e.model]
@@ -470,76 +338,9 @@ class Scheduler:
         e.est_finish = now + est.first_token_s(batch, e.prompt_tokens) + max(e.remaining - 1, 0) * est.step_s(batch)
         return Admission(e.key, e.run_key, e.attempt, e.generated, e.queueing_s, e.admission_wait_s)
 
-    def _preempt_for_interactive(self, model_name: str, model: ModelState, now: float) -> list[Action]:
-        """Interactive work that fits nowhere takes KV blocks and slots from running bulk.
-
-        The newest bulk runs go first; bulk keeps its floor, so it never starves.
-        A preempted run goes back to the front of the bulk queue with its
-        arrival time and the tokens it produced, and later continues from them.
-        """
-        head = model.queues[TrafficClass.INTERACTIVE].peek()
-        fires_at = self.rules.fires_at(model_name, model, TrafficClass.INTERACTIVE)
-        if head is None or fires_at is None or fires_at > now:
-            return []
-        for wid in model.workers:
-            w = self.workers[wid]
-            if not w.spec.continuous or not self.planner.keeps_itl_target(head, w, model):
-                continue  # preempting bulk would not let it in
-            floor = math.floor(w.spec.max_seqs * self.config.bulk_floor)
-            bulk = sorted((e for e in w.running.values() if e.cls == TrafficClass.BULK), key=lambda e: e.arrival)
-            # Newest first; a run preempted too often keeps its place, so bulk always progresses.
-            victims = [v for v in reversed(bulk[floor:]) if v.preemptions < self.config.max_preemptions]
-            budget = self.rules.budget(w)
-            chosen: list[Entry] = []
-            for v in victims:
-                if budget.fits(head):
-                    break
-                chosen.append(v)
-                budget.slots += 1
-                budget.blocks += v.blocks
-            if not chosen or not budget.fits(head):
-                continue
-            return [self._preempt(v, now) for v in chosen]
-        return []
-
-    def _recount_blocks(self, e: Entry, w: WorkerView) -> None:
-        """A sequence grew: its reservation follows what it holds now (plus the margin)."""
-        blocks = blocks_for(e, w.spec.block_size, self.config.kv_margin_tokens)
-        w.reserved_blocks += blocks - e.blocks
-        e.blocks = blocks
-
-    def _relieve_kv_pressure(self, w: WorkerView, now: float) -> list[Action]:
-        """Sequences grew past the worker's KV: preempt bulk, newest first, until the rest fits.
-
-        Never an interactive stream, never a run whose deadline promise a restart could break
-        (it must complete by its deadline, or its first token is still owed). If only such runs
-        are left, vLLM preempts by priority itself (bulk is its lowest) and recomputes later.
-        """
-        capacity = w.spec.kv_blocks_total - self.config.kv_watermark_blocks
-        if w.reserved_blocks <= capacity:
-            return []
-        victims = sorted((e for e in w.running.values() if self._may_preempt_for_kv(e)), key=lambda e: e.arrival, reverse=True)
-        actions: list[Action] = []
-        for v in victims:
-            if w.reserved_blocks <= capacity:
-                break
-            actions.append(self._preempt(v, now))
-            self.counters.kv_preemptions += 1
-        return actions
-
     def _may_preempt_for_kv(self, e: Entry) -> bool:
-        if e.cls != TrafficClass.BULK or e.preemptions >= self.config.max_preemptions:
-            return False
-        return e.deadline is None or not (e.must_complete_by_deadline or not e.prefilled)
-
-    def _preempt(self, v: Entry, now: float) -> Action:
-        """Stop a running bulk run; it goes back to the front of its queue and later continues."""
-        action = StopRun(v.key, v.worker_id, v.run_key, preempted=True)
-        self._release(v)
-        transition(v, Status.QUEUED)
-        v.preemptions += 1
-        self._enqueue(v, now, front=True)
-        return action
+        """May `e` be stopped for KV (engine/scheduler/preemption.py)? The property test asks."""
+        return self.preemption.may_preempt_for_kv(e)
 
     # ------------------------------------------------------------- bookkeeping
 
@@ -555,7 +356,7 @@ class Scheduler:
         model = self._model(e.model)
         e.queued_since = now
         e.no_capacity_at_enqueue = self._no_capacity_integral(model, now)
-        if self._isolated(e):
+        if self.crashes.isolated(e):
             model.suspects.append(e)
         elif survivor:
             model.survivors.append(e)

@@ -1,7 +1,7 @@
-"""The dispatch rule (core.py applies it at every event): what a worker can take now (its step budget), when a
-class's queue is released to it (the budget would be filled, the oldest request has waited its admission
-window, or waiting longer would threaten a deadline), and the slots interactive leaves to waiting bulk.
-Reads the scheduler's state, given explicitly; changes none of it.
+"""The dispatch rule (core.py applies it at every event): what a worker can take now (its step budget, and
+whether it would admit a given request), when a class's queue is released to it (the budget would be filled,
+the oldest request has waited its admission window, or waiting longer would threaten a deadline), and the
+slots interactive leaves to waiting bulk. Reads the scheduler's state, given explicitly; changes none of it.
 """
 
 from __future__ import annotations
@@ -11,15 +11,20 @@ import math
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget
 from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.crashes import isolated
+from tokenline.engine.scheduler.planner import StepPlanner
+from tokenline.engine.scheduler.records import Admission, Entry
 from tokenline.engine.scheduler.state import ModelState, WorkerView
 from tokenline.engine.types import TrafficClass
 
 
 class DispatchRules:
-    def __init__(self, config: SchedulerConfig, models: dict[str, ModelState], admission: AdmissionControl):
+    def __init__(self, config: SchedulerConfig, models: dict[str, ModelState], admission: AdmissionControl,
+                 planner: StepPlanner):
         self.config = config
         self.models = models
         self.admission = admission
+        self.planner = planner
 
     def budget(self, w: WorkerView, *, at_boundary: bool = False) -> StepBudget:
         """What `w` can take now. Prompts admitted but not yet applied (`pending_prefill`) go into its
@@ -84,3 +89,17 @@ class DispatchRules:
         floor = max(1, math.floor(w.spec.max_seqs * self.config.bulk_floor))
         bulk_running = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK)
         return max(floor - bulk_running, 0)
+
+    def can_take(self, e: Entry, w: WorkerView, budget: StepBudget, model: ModelState, admitted: list[Admission],
+                 now: float) -> bool:
+        """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?"""
+        if isolated(e, self.config) and (w.running or admitted):
+            return False  # a suspect waits for an idle worker (crashes.py)
+        # Interactive leaves bulk its floor; bulk leaves interactive its held slots.
+        reserve = self.bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else w.held_for_interactive()
+        if budget.slots - 1 < reserve or not budget.fits(e):
+            return False
+        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model):
+            return False
+        # One more sequence must not slow running requests past their deadlines.
+        return self.admission.keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)

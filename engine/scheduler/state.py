@@ -1,13 +1,14 @@
-"""What the scheduler knows of each worker and each model."""
+"""What the scheduler knows of each worker and each model, and what one admission round has given out."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenline.engine.scheduler.budget import StepBudget
 from tokenline.engine.scheduler.pace import WorkerPace
 from tokenline.engine.scheduler.queues import ClassQueue
-from tokenline.engine.scheduler.records import Entry
+from tokenline.engine.scheduler.records import Admission, Entry
 from tokenline.engine.types import StepPlan, TrafficClass, WorkerSpec
 
 
@@ -85,3 +86,15 @@ class ModelState:
 
     def saw_bulk(self, prompt_tokens: int, output_tokens: int) -> None:
         self.bulk_prompt_per_output += 0.2 * (prompt_tokens / max(output_tokens, 1) - self.bulk_prompt_per_output)
+
+
+@dataclass
+class Round:
+    """One admission round's working state, per worker: budget left, still taking work, admitted.
+
+    Built by the dispatch round (core.py); the crash rules (crashes.py) place suspects and survivors in it first."""
+
+    workers: list[int]
+    budgets: dict[int, StepBudget]
+    open: dict[int, bool]
+    admitted: dict[int, list[Admission]]
