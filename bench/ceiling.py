@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from tokenline.engine.config import MiB
+from tokenline.engine.config import MiB, WorkerConfig
+from tokenline.engine.flagspec import add_flags
 from tokenline.engine.machine import choose_dtype
 
 
@@ -113,18 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="model folder")
     p.add_argument("--requests", required=True, type=Path, help='JSON with "throughput" and "sequential" request lists')
     p.add_argument("--out", required=True, type=Path, help="where to write the results JSON")
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--max-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--prefill-budget", type=int, default=512)
-    p.add_argument("--dtype", default="auto", help="as tokenline's --dtype; auto: from the CPU (default %(default)s)")
-    p.add_argument("--attention-kernel", default="auto",
-                   help="as tokenline's --attention-kernel; auto: vLLM's choice less known-wrong kernels (default %(default)s)")
+    # one tokenline worker's settings, declared by WorkerConfig (engine/flagspec.py), with a bare config's defaults
+    add_flags(p, WorkerConfig, only=("kv_cache_bytes", "max_seqs", "max_model_len", "block_size", "prefill_token_budget",
+                                     "dtype", "attention_kernel", "threads"))
     p.add_argument("--compile", action="store_true",
                    help="compile the model (as `vllm serve` and `tokenline serve` do by default)")
     p.add_argument("--warmup", type=int, default=4, help="short unrecorded requests first (default %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine (default %(default)s)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th throughput request, from the I-th; no sequential run")
     p.add_argument("--ready-dir", type=Path, default=None, help="with --shard: start once all N shards are ready here")
     args = p.parse_args(argv)

@@ -34,6 +34,8 @@ import grpc
 
 from tokenline.bench.chaos_traffic import Tally, Traffic
 from tokenline.bench.servers import SERVER_GROUP
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.flagspec import add_flags
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
@@ -313,8 +315,8 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="how long the traffic and faults run (default %(default)s)")
     p.add_argument("--model", default="tiny", help="model to serve (default %(default)s)")
-    p.add_argument("--compile", choices=("on", "off"), default="off",
-                   help="the server's --compile (default %(default)s: a killed worker is back in seconds)")
+    add_flags(p, WorkerConfig, only=("compile",),
+              helps={"compile": "the server's --compile (default %(default)s: a killed worker is back in seconds)"})
     p.add_argument("--concurrency", type=int, default=8, help="callers sending at once (default %(default)s)")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="per caller, a bound besides time")
     p.add_argument("--fault-min-s", type=float, default=5.0, help="least time between faults (default %(default)s)")

@@ -16,7 +16,13 @@ import argparse
 from typing import Any
 
 from tokenline.bench.arrivals import KINDS
-from tokenline.server.flags import serve_defaults
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.flagspec import add_flags
+from tokenline.server.flags import WORKER_DEFAULTS
+
+# A tokenline worker's settings, as `tokenline serve` declares them (engine/flagspec.py), for the commands that
+# start tokenline themselves.
+TOKENLINE_COMPILE_HELP = {"compile": "tokenline's --compile"}
 
 RUN_EXAMPLES = """examples:
   tokenline bench run --rate 4 --duration-s 30
@@ -147,20 +153,17 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="tokenline vs vllm serve vs the engine itself, same model and settings",
                          epilog=COMPARE_EXAMPLES, formatter_class=_formatter)
     cmp.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
-    serve = serve_defaults()  # the engine settings default to `tokenline serve`'s own
-    cmp.add_argument("--kv-cache-mb", type=int, default=serve["kv_cache_mb"],
-                     help="KV cache per tokenline worker in MiB (default: tokenline serve's plan from the machine)")
-    cmp.add_argument("--max-seqs", type=int, default=serve["max_seqs"], help="sequences at once (default %(default)s)")
     cmp.add_argument("--workers", type=int, default=None, help="tokenline's workers (default: tokenline serve's plan from the machine)")
-    cmp.add_argument("--threads", type=int, default=None, help="OpenMP threads per tokenline worker (default: tokenline serve's plan)")
-    cmp.add_argument("--compile", choices=("on", "off"), default="on",
-                     help="tokenline's --compile, and the in-process engines' (the ceiling and the box's best) to match; "
-                          "vllm serve compiles by its own default (default %(default)s)")
-    cmp.add_argument("--interactive-slots", type=int, default=serve["interactive_slots"],
-                     help="tokenline's slots beyond --max-seqs for interactive only; vllm serve and the engine get the sum (default %(default)s)")
-    cmp.add_argument("--max-model-len", type=int, default=serve["max_model_len"], help="context limit (default %(default)s)")
-    cmp.add_argument("--block-size", type=int, default=serve["block_size"], help="KV block size (default %(default)s)")
-    cmp.add_argument("--prefill-budget", type=int, default=serve["prefill_budget"], help="tokens per step (default %(default)s)")
+    # the engine settings, with `tokenline serve`'s own defaults
+    add_flags(cmp, WorkerConfig, only=("kv_cache_bytes", "max_seqs", "threads", "compile", "interactive_slots",
+                                       "max_model_len", "block_size", "prefill_token_budget"),
+              defaults=WORKER_DEFAULTS, helps={
+                  "kv_cache_bytes": "KV cache per tokenline worker in MiB (default: tokenline serve's plan from the machine)",
+                  "threads": "OpenMP threads per tokenline worker (default: tokenline serve's plan)",
+                  "compile": "tokenline's --compile, and the in-process engines' (the ceiling and the box's best) to "
+                             "match; vllm serve compiles by its own default",
+                  "interactive_slots": "tokenline's slots beyond --max-seqs for interactive only; vllm serve and the "
+                                       "engine get the sum"})
     cmp.add_argument("--requests", type=int, default=64, help="saturation run: requests sent at once (default %(default)s)")
     cmp.add_argument("--input-len", type=int, default=256, help="prompt tokens (default %(default)s)")
     cmp.add_argument("--output-len", type=int, default=128, help="output tokens, saturation run (default %(default)s)")
@@ -200,7 +203,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     st = sub.add_parser("structured", help="JSON-schema outputs through SIGKILLs and preemptions: all must validate",
                         epilog=STRUCTURED_EXAMPLES, formatter_class=_formatter)
     st.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
-    st.add_argument("--compile", choices=("on", "off"), default="on", help="tokenline's --compile (default %(default)s)")
+    add_flags(st, WorkerConfig, only=("compile",), defaults=WORKER_DEFAULTS, helps=TOKENLINE_COMPILE_HELP)
     st.add_argument("--workers", type=int, default=None, help="tokenline's workers (default: the machine's plan)")
     st.add_argument("--requests", type=int, default=200, help="requests in all (default %(default)s)")
     st.add_argument("--killed", type=int, default=20, help="of them, SIGKILLed mid-output (default %(default)s)")
@@ -215,10 +218,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     mix = sub.add_parser("mixed", help="interactive within capacity inside a bulk flood: targets kept, bulk kept",
                          epilog=MIXED_EXAMPLES, formatter_class=_formatter)
     mix.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
-    mix.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache of the one tokenline worker (default: the machine's plan)")
-    mix.add_argument("--max-seqs", type=int, default=48, help="sequences at once, bulk at most these (default %(default)s)")
-    mix.add_argument("--interactive-slots", type=int, default=serve["interactive_slots"],
-                     help="tokenline's slots beyond --max-seqs for interactive only; vllm serve gets the sum (default %(default)s)")
+    add_flags(mix, WorkerConfig, only=("kv_cache_bytes", "max_seqs", "interactive_slots", "compile", "threads"),
+              defaults={**WORKER_DEFAULTS, "max_seqs": 48}, helps={
+                  "kv_cache_bytes": "KV cache of the one tokenline worker (default: the machine's plan)",
+                  "interactive_slots": "tokenline's slots beyond --max-seqs for interactive only; vllm serve gets the sum",
+                  "compile": "tokenline's --compile",
+                  "threads": "OpenMP threads of the one tokenline worker (default: tokenline serve's plan); vllm serve "
+                             "runs as it binds itself, so compare shapes with --skip vllm"})
     mix.add_argument("--bulk-concurrency", type=int, default=48, help="bulk streams in the closed loop (default %(default)s)")
     mix.add_argument("--bulk-input-len", type=int, default=256, help="bulk prompt tokens (default %(default)s)")
     mix.add_argument("--bulk-output-len", type=int, default=256, help="bulk output tokens (default %(default)s)")
@@ -232,9 +238,6 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     mix.add_argument("--itl-target-ms", type=float, nargs="+", default=None,
                      help="interactive ITL targets in ms instead of --itl-target-steps: the same T for every server and run, "
                           "so that configurations or days compare at one target")
-    mix.add_argument("--compile", choices=("on", "off"), default="on", help="tokenline's --compile (default %(default)s)")
-    mix.add_argument("--threads", type=int, default=None, help="OpenMP threads of the one tokenline worker (default: tokenline serve's plan); "
-                          "vllm serve runs as it binds itself, so compare shapes with --skip vllm")
     mix.add_argument("--ttft-target-ms", type=float, default=500.0, help="interactive TTFT target (default %(default)s)")
     mix.add_argument("--skip", default="", help="'vllm' or 'tokenline': leave that server out")
     mix.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")
@@ -366,7 +369,7 @@ def run_bench(args: argparse.Namespace) -> int:
 def _side_by_side_args(p: argparse.ArgumentParser, name: str, requests_help: str) -> None:
     """tokenline (its serve defaults) and vllm serve (its own) at one saturating workload: bench features, doors."""
     p.add_argument("--model", default=None, help="'tiny', a model folder, or the default model when omitted")
-    p.add_argument("--compile", choices=("on", "off"), default="on", help="tokenline's --compile (default %(default)s)")
+    add_flags(p, WorkerConfig, only=("compile",), defaults=WORKER_DEFAULTS, helps=TOKENLINE_COMPILE_HELP)
     p.add_argument("--workers", type=int, default=None, help="tokenline's workers (default: the machine's plan)")
     p.add_argument("--requests", type=int, default=64, help=requests_help + " (default %(default)s)")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (default %(default)s)")

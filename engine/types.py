@@ -25,8 +25,9 @@ Glossary: one name per thing, from the caller to vLLM.
 - slots: the sequences a worker runs at once. WorkerConfig.max_seqs counts those bulk may fill;
   interactive_slots are only interactive's; the engine runs both (WorkerConfig.engine_seqs), and
   WorkerSpec.max_seqs reports that total.
-- on_step: the hook that hears a worker's StepReport (Supervisor callback -> Runtime -> Scheduler.on_step,
-  whose StepResult the runtime's on_step hooks, e.g. the step log, then hear).
+- step report: a worker's StepReport. The Supervisor hands it on (on_report) to the runtime, which gives it to
+  Scheduler.on_step (the one `on_step`); what the scheduler read from it (StepResult) goes to the runtime's
+  step_hooks (the step log, Telemetry.record_step). The watchdog only hears that a step came (saw_step).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class StepWatchdog:
         heard.at = now
         heard.heaviest_step_s = max(heard.heaviest_step_s, heaviest_step_s)
 
-    def on_step(self, worker_id: int, step_s: float, now: float, heaviest_step_s: float = 0.0) -> None:
+    def saw_step(self, worker_id: int, step_s: float, now: float, heaviest_step_s: float = 0.0) -> None:
         heard = self._heard.setdefault(worker_id, _Heard(now, []))
         heard.at = now
         heard.recent_steps.append(step_s)

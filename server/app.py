@@ -13,6 +13,8 @@ import pathlib
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from tokenline.engine.flagspec import flag
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -43,32 +45,46 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenline"].full_name
 
 @dataclass(frozen=True)
 class ServeConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
+    host: str = flag("127.0.0.1", "--host", "address to bind")
+    port: int = flag(50051, "--port", "port; 0 picks a free one")
     models: tuple[tuple[WorkerConfig, int], ...] = ()  # (worker config, number of workers) per model
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: Limits = field(default_factory=Limits)
-    grace_s: float = 30.0
+    grace_s: float = flag(30.0, "--grace-s", "drain period on SIGTERM")
     ready_timeout_s: float = 600.0
     max_message_bytes: int = 4 * 1024 * 1024
     fault_marker: str | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    api_keys_file: str | None = None  # JSON tenants file (see server/auth.py); None: no API keys
-    tls_cert: str | None = None  # PEM server certificate chain; with tls_key, serve TLS
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # PEM CA: require client certificates (mutual TLS); tenant = CN
-    idempotency_db: str | None = None  # SQLite file or postgresql://…; None: idempotency keys are refused
-    idempotency_ttl_s: float = 86_400.0
-    idempotency_lease_s: float = 10.0  # PostgreSQL: a dead frontend's keyed runs are run again this long after it stopped renewing
-    standby_workers: int = 0  # per model: loaded, idle, promoted when a worker dies
-    # A worker with work in flight that reports no step for this long (or 10x its longest recent
-    # step, if more) is declared lost and killed; 0 turns the watchdog off.
-    step_watchdog_s: float = 5.0
-    step_log: str | None = None  # a JSON-lines file with one line per worker step (server/steplog.py)
-    tool_call_parser: str | None = None  # vLLM's tool-call parser for tool_choice AUTO (server/tools.py)
+    api_keys_file: str | None = flag(None, "--api-keys", "JSON file of tenants and hashed API keys (see "
+                                     "'tokenline keys'); reloaded on change and SIGHUP", metavar="FILE")
+    tls_cert: str | None = flag(None, "--tls-cert", "PEM certificate chain: serve TLS")
+    tls_key: str | None = flag(None, "--tls-key", "PEM private key for --tls-cert")
+    tls_client_ca: str | None = flag(None, "--tls-client-ca",
+                                     "PEM CA: require client certificates (mutual TLS); tenant = certificate CN")
+    idempotency_db: str | None = flag(
+        None, "--idempotency-db", "where idempotency keys and results live: a SQLite file, or postgresql://… shared "
+        "by several frontends (default: <cache>/idempotency-<port>.sqlite3, one per server; with --port 0, in "
+        "memory; 'off' disables)", metavar="PATH|URI")  # None here: idempotency keys are refused
+    idempotency_ttl_s: float = flag(86_400.0, "--idempotency-ttl-s", "how long results are kept (default one day)")
+    idempotency_lease_s: float = flag(10.0, "--idempotency-lease-s", "with postgresql://: a keyed run of a frontend "
+                                      "that died is run again by another this long after its last heartbeat")
+    standby_workers: int = flag(0, "--standby-workers", "extra workers per model that load the model and wait; one "
+                                "takes over at once when a worker dies")
+    step_watchdog_s: float = flag(5.0, "--step-watchdog-s", "a worker with work in flight that reports no step for "
+                                  "this long (or 10x its longest recent step, if more) is declared lost and killed, "
+                                  "and its requests continue elsewhere; 0: off")
+    step_log: str | None = flag(None, "--step-log", "append one JSON line per worker step (batch, paused, prefill, "
+                                "step time) to FILE, for plots", metavar="FILE")  # server/steplog.py
+    tool_call_parser: str | None = flag(
+        None, "--tool-call-parser", "vLLM's tool-call parser for the model's format (as vllm serve's flag: hermes, "
+        "llama3_json, pythonic, mistral, ...): lets a chat with tools use tool_choice AUTO. Without it, tools work "
+        "with tool_choice REQUIRED or a named function (any model); AUTO is refused", metavar="NAME")
     web: "WebConfig | None" = None  # gRPC-Web and the browser page on a second port (server/web.py); None: off
     jobs: JobConfig | None = None  # durable jobs (server/jobrunner.py); None: the job RPCs answer UNIMPLEMENTED
-    ray_address: str | None = None  # workers as Ray actors on this cluster (engine/ray_workers.py); None: local processes
+    ray_address: str | None = flag(  # engine/ray_workers.py
+        None, "--ray-address", "run the workers as Ray actors on this Ray cluster ('auto', 'ray://host:10001' or "
+        "'host:6379'), placed by Ray by CPUs (and one GPU each where the cluster has GPUs); default: local processes. "
+        "Without --workers, one worker per --threads CPUs of the cluster", metavar="ADDRESS")
     autoscale: AutoscaleConfig | None = None  # add and remove workers on queue age and deadline pressure; None: fixed
     # CPUs to bind local workers to, one set per worker (engine/machine.py pin_sets); empty: the OS places them
     worker_cpus: tuple[tuple[int, ...], ...] = ()
@@ -144,7 +160,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     if config.step_log:
         from tokenline.server.steplog import StepLog
 
-        runtime.on_step.append(StepLog(config.step_log))
+        runtime.step_hooks.append(StepLog(config.step_log))
     telemetry = telemetry or Telemetry(config.telemetry)
     telemetry.watch(runtime, default_model)
     try:

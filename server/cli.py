@@ -7,10 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
-from tokenline.server.convert import Limits
 from tokenline.engine.config import MiB, WorkerConfig
-from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
+from tokenline.engine.flagspec import read_flags
+from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.server.convert import Limits
 from tokenline.server.flags import add_serve_parser
+
 
 def run_serve(args: argparse.Namespace) -> int:
     from tokenline.engine.machine import choose_dtype, kv_bytes_per_token, plan_workers, read_machine
@@ -32,35 +34,18 @@ def run_serve(args: argparse.Namespace) -> int:
                             standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path, dtype),
                             max_seqs=args.max_seqs + args.interactive_slots, max_model_len=args.max_model_len,
                             pin=args.pin_workers == "on" and not args.ray_address)
-        worker = WorkerConfig(
-            model_path=str(path), model_name=name, backend=args.engine, kv_cache_bytes=plan.kv_cache_bytes,
-            threads=plan.threads, max_seqs=args.max_seqs, interactive_slots=args.interactive_slots, max_model_len=args.max_model_len, block_size=args.block_size,
-            prefill_token_budget=args.prefill_budget, fault_marker=args.fault_marker, dtype=dtype,
-            attention_kernel=args.attention_kernel, self_check=args.self_check,
-            compile=args.compile == "on" and args.engine == "vllm",
-            **_sim_costs(args),
-        )
-        sched = SchedulerConfig(
-            interactive=ClassConfig(args.interactive_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts,
-                                    ttft_target_s=args.interactive_ttft_target_ms / 1000 or None,
-                                    itl_target_s=args.interactive_itl_target_ms / 1000 or None,
-                                    itl_target_steps=args.interactive_itl_target_steps or None),
-            bulk=ClassConfig(args.bulk_window_ms / 1000, args.queue_requests, args.queue_tokens, args.max_attempts,
-                             throughput_goal_tok_s=args.bulk_goal_tok_s or None),
-            bulk_floor=args.bulk_floor,
-        )
-        jobs = _job_config(args)
-        limits = Limits(max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens
-                        or min(Limits.default_max_tokens, args.max_tokens_limit))
-        config = ServeConfig(host=args.host, port=args.port, models=((worker, plan.workers),), scheduler=sched,
-                             limits=limits, grace_s=args.grace_s, fault_marker=args.fault_marker,
-                             api_keys_file=args.api_keys, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                             tls_client_ca=args.tls_client_ca, idempotency_db=_store_path(args.idempotency_db, args.port, "idempotency"),
-                             idempotency_ttl_s=args.idempotency_ttl_s, idempotency_lease_s=args.idempotency_lease_s, standby_workers=args.standby_workers, step_watchdog_s=args.step_watchdog_s,
-                             step_log=args.step_log, tool_call_parser=args.tool_call_parser, web=_web_config(args), jobs=jobs, ray_address=args.ray_address,
-                             autoscale=_autoscale_config(args, plan.workers), worker_cpus=plan.cpu_sets,
-                             telemetry=TelemetryConfig(metrics_port=args.metrics_port, metrics_host=args.host,
-                                                       otlp_endpoint=args.otlp_endpoint, request_log_level=args.request_log_level))
+        # Every config is read back from its own flags by field name (engine/flagspec.py); what is given here
+        # is decided at start: the model's path and name, sizes from the machine's plan, the dtype, the stores.
+        worker = read_flags(args, WorkerConfig, model_path=str(path), model_name=name, kv_cache_bytes=plan.kv_cache_bytes,
+                            threads=plan.threads, dtype=dtype, compile=args.compile == "on" and args.engine == "vllm",
+                            **_sim_costs(args))
+        limits = read_flags(args, Limits, default_max_tokens=args.default_max_tokens
+                            or min(Limits.default_max_tokens, args.max_tokens_limit))
+        config = read_flags(args, ServeConfig, models=((worker, plan.workers),), scheduler=read_flags(args, SchedulerConfig),
+                            limits=limits, fault_marker=args.fault_marker,
+                            idempotency_db=_store_path(args.idempotency_db, args.port, "idempotency"),
+                            web=_web_config(args), jobs=_job_config(args), autoscale=_autoscale_config(args, plan.workers),
+                            worker_cpus=plan.cpu_sets, telemetry=read_flags(args, TelemetryConfig, metrics_host=args.host))
     except (ValueError, ModelPrepError) as err:
         print(f"tokenline serve: {err}", file=sys.stderr)
         return 2
@@ -93,13 +78,11 @@ def _autoscale_config(args: argparse.Namespace, workers: int):
     if args.autoscale_max_workers < max(minimum, 1):
         raise ValueError(f"--autoscale-max-workers ({args.autoscale_max_workers}) must be at least the minimum "
                          f"({minimum}: --autoscale-min-workers, else --workers)")
-    return AutoscaleConfig(min_workers=minimum, max_workers=args.autoscale_max_workers,
-                           max_queue_age_s=args.autoscale_queue_age_s, warm_standby=args.warm_workers,
-                           cooldown_s=args.autoscale_cooldown_s, settle_s=args.autoscale_settle_s)
+    return read_flags(args, AutoscaleConfig, min_workers=minimum)
 
 
 def _sim_costs(args: argparse.Namespace) -> dict:
-    costs: dict = {"sim_fixed_batch": args.sim_fixed_batch}
+    costs: dict = {}
     if args.sim_step_ms is not None:
         if not args.sim_step_ms > 0:
             raise ValueError(f"--sim-step-ms must be a positive number of milliseconds, got {args.sim_step_ms}")
@@ -127,9 +110,7 @@ def _web_config(args: argparse.Namespace):
         return None
     from tokenline.server.web import WebConfig
 
-    return WebConfig(port=args.web_port, host=args.host, cors_origin=args.web_cors_origin, root=args.web_root,
-                     tls_cert=args.tls_cert, tls_key=args.tls_key, read_timeout_s=args.web_read_timeout_s,
-                     max_connections=args.web_max_connections)
+    return read_flags(args, WebConfig, host=args.host, tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def _store_path(value: str | None, port: int, kind: str) -> str | None:
@@ -151,8 +132,7 @@ def _job_config(args: argparse.Namespace):
     store = _store_path(args.job_store, args.port, "jobs")
     if store is None:
         return None
-    return JobConfig(store=store, lease_s=args.job_lease_s, retention_s=args.job_retention_s,
-                     max_running=args.jobs_running, max_attempts=args.job_attempts, max_wait_s=args.job_max_wait_s)
+    return read_flags(args, JobConfig, store=store)
 
 
 def add_keys_parser(sub: argparse._SubParsersAction) -> None:

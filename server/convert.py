@@ -14,6 +14,7 @@ import math
 import string
 from dataclasses import dataclass, replace
 
+from tokenline.engine.flagspec import flag
 from tokenline.engine.types import STRUCTURED_FORMATS, Sampling, TrafficClass
 from tokenline.server import tools
 from tokenline.server.catalog import ServedModel
@@ -38,10 +39,12 @@ class Limits:
     """Bounds enforced before any work."""
 
     max_prompt_tokens: int = 32_768
-    max_tokens: int = 4096
+    max_tokens: int = flag(4096, "--max-tokens-limit", "the most max_tokens a request may ask for")
     max_prompt_chars: int = 1_000_000
     # A request that sets no max_tokens gets the rest of the context after its prompt, at most this.
-    default_max_tokens: int = 4096
+    default_max_tokens: int = flag(4096, "--default-max-tokens",
+                                   "max_tokens of a request that sets none: the rest of the context after its "
+                                   "prompt, at most this (default 4096, or --max-tokens-limit if lower)", type=int)
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_tokens <= self.max_tokens:

@@ -27,6 +27,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenline.engine.flagspec import flag
+
 from tokenline.engine.types import FinishReason, Sampling, TrafficClass
 from tokenline.server.errors import DeadlineUnmeetable, Overloaded, ServingError, Unavailable
 from tokenline.server.jobstore import Fenced, JobRecord, JobStore
@@ -47,16 +49,26 @@ DEFER_MAX_S = 10.0  # doubling with each refusal up to this (or the scheduler's 
 class JobConfig:
     """Where jobs are stored and how this frontend runs them."""
 
-    store: str  # SQLite file, or a postgresql:// URI shared by several frontends
-    lease_s: float = 10.0  # a dead frontend's jobs are taken over this long after its last heartbeat
-    retention_s: float = 7 * 86_400.0  # finished jobs (and their tokens) are kept this long
-    max_running: int = 32  # jobs this frontend runs at once (the rest wait in the store)
-    max_attempts: int = 5  # claims per job: one that keeps killing frontends ends `failed`
+    # a SQLite file, or a postgresql:// URI shared by several frontends (`tokenline serve` picks the default)
+    store: str = flag("", "--job-store", "where durable jobs live: a SQLite file, or postgresql://… shared by "
+                      "several servers (default: <cache>/jobs-<port>.sqlite3, one per server; with --port 0, in "
+                      "memory; 'off' disables)", metavar="PATH|URI")
+    lease_s: float = flag(10.0, "--job-lease-s", "a dead server's jobs are taken over this long after its last heartbeat")
+    retention_s: float = flag(7 * 86_400.0, "--job-retention-s",
+                              "how long finished jobs and their tokens are kept (default one week)")
+    max_running: int = flag(32, "--jobs-running", "jobs this server runs at once (the rest wait in the store)")
+    max_attempts: int = flag(5, "--job-attempts",
+                             "times a job is started (across server deaths) before it ends failed; a start the "
+                             "scheduler refused for now (quota, full queue, no worker) is not counted: the job "
+                             "waits, with a growing backoff, and is claimed again")
     checkpoint_s: float = 0.05  # tokens are written in batches at most this often per job
     poll_s: float = 0.5  # how often the store is asked for jobs (and watchers look for other frontends' tokens)
-    max_wait_s: float = 86_400.0  # a job still queued this long after its submission ends `expired`
+    max_wait_s: float = flag(86_400.0, "--job-max-wait-s",
+                             "a job still queued this long after its submission ends expired (default one day)")
 
     def __post_init__(self) -> None:
+        if not self.store:
+            raise ValueError("a job store is needed: a SQLite file, or a postgresql:// URI")
         if self.lease_s <= 0:
             raise ValueError(f"--job-lease-s must be > 0, got {self.lease_s}")
         if self.retention_s <= 0:

@@ -60,7 +60,7 @@ class Runtime:
         self.stats = RuntimeStats()
         self.quarantine_s = quarantine_s
         self._quarantined: dict[str, float] = {}  # fingerprint -> refused until (monotonic)
-        self.on_step: list[Callable[[StepResult], None]] = []  # each step report, as the scheduler read it
+        self.step_hooks: list[Callable[[StepResult], None]] = []  # each step report, as the scheduler read it
         self.on_finished: list[Callable[[RequestState], None]] = []  # every request, once, when it ends
         self.on_capacity: list[Callable[[bool], None]] = []  # every model has a live worker: True / False
         self.on_action: list[Callable[[object], None]] = []  # each scheduler action, once carried out
@@ -68,7 +68,7 @@ class Runtime:
         self._timer_at: float | None = None
         self._closing = False
         # A local process (WorkerHandle) or a Ray actor (engine/ray_workers.py) per worker.
-        self.workers = Supervisor(workers, on_ready=self._worker_ready, on_lost=self._worker_lost, on_step=self._on_step,
+        self.workers = Supervisor(workers, on_ready=self._worker_ready, on_lost=self._worker_lost, on_report=self._step_reported,
                                   on_capacity=self._capacity_changed, restart=restart_workers, standby=standby,
                                   watchdog=watchdog, busy=self._busy_workers, heaviest_step_s=self._heaviest_step_s,
                                   factory=worker_factory, autoscale=autoscale, cpu_sets=cpu_sets,
@@ -181,7 +181,7 @@ class Runtime:
 
     # ------------------------------------------------------------ internals
 
-    def _on_step(self, report: StepReport) -> None:
+    def _step_reported(self, report: StepReport) -> None:
         now = time.monotonic()
         result = self.scheduler.on_step(report)
         for key in result.started:
@@ -210,7 +210,7 @@ class Runtime:
                 st.emit(Chunk(index, list(d.token_ids), d.text, st.attempt, logprobs))
             if d.finish_reason is not None:
                 self._finish(d.key, d.finish_reason, at=now)
-        _run_hooks(self.on_step, result)
+        _run_hooks(self.step_hooks, result)
         self._handle(result.actions)
 
     def _finish(self, key: RequestKey, reason: FinishReason | None, error: ServingError | None = None,

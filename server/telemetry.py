@@ -179,7 +179,7 @@ class Telemetry:
         self._loop = asyncio.get_running_loop()
         self._models = tuple(runtime.worker_configs)
         self._default_model = default_model
-        runtime.on_step.append(self.on_step)
+        runtime.step_hooks.append(self.record_step)
         runtime.on_action.append(self.on_action)
 
     def start(self) -> None:
@@ -303,7 +303,7 @@ class Telemetry:
     # ------------------------------------------------------ engine events
 
     @_guarded
-    def on_step(self, result: StepResult) -> None:
+    def record_step(self, result: StepResult) -> None:
         """A worker step, as the scheduler read it: its time, its gauges, and the step span of admissions."""
         runtime = self.runtime
         report = result.report

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenline.engine.flagspec import flag
+
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 # Bucket boundaries (seconds). 0 is a bucket of its own: "no wait at all" is the common,
@@ -41,10 +43,14 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "OFF")
 class TelemetryConfig:
     """Where telemetry goes. Nothing is exported unless asked for; the request log is on."""
 
-    metrics_port: int | None = None  # Prometheus endpoint; None: off, 0: any free port
+    metrics_port: int | None = flag(None, "--metrics-port", "serve Prometheus metrics on this port (on --host, path "
+                                    "/metrics; 0 picks a free one; default off; 9464 is customary)", type=int)
     metrics_host: str = "127.0.0.1"
-    otlp_endpoint: str | None = None  # None: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no OTLP
-    request_log_level: str = "INFO"  # level of the per-request line, or OFF
+    otlp_endpoint: str | None = flag(None, "--otlp-endpoint", "send metrics and traces by OTLP/gRPC to this "
+                                     "collector, e.g. http://localhost:4317 (default: $OTEL_EXPORTER_OTLP_ENDPOINT "
+                                     "if set, else off)")
+    request_log_level: str = flag("INFO", "--request-log-level",
+                                  "level of the one key=value line per finished request, or OFF")
     max_tenant_labels: int = 16  # tenants beyond these are labelled "other"
 
     def __post_init__(self) -> None:

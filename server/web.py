@@ -24,6 +24,8 @@ import pathlib
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
+from tokenline.engine.flagspec import flag
+
 import grpc
 from sonora import protocol
 from sonora.asgi import ServicerContext, grpcASGI
@@ -45,18 +47,25 @@ _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
 
 @dataclass(frozen=True)
 class WebConfig:
-    port: int  # 0 picks a free one
+    port: int = flag(0, "--web-port", "serve gRPC-Web (the same API, keys and deadlines) and the browser page on "
+                     "this port, on --host (0 picks a free one; default off)", type=int)
     host: str = "127.0.0.1"
-    cors_origin: str | None = None  # an origin allowed to call from another page, or "*"; None: same origin only
-    root: str | None = None  # folder with index.html, app.js, style.css; None: DEFAULT_ROOT
+    cors_origin: str | None = flag(None, "--web-cors-origin", "let pages from ORIGIN (e.g. https://app.example.com, "
+                                   "or *) call the gRPC-Web port (default: only the page the port serves itself)",
+                                   metavar="ORIGIN")
+    root: str | None = flag(None, "--web-root", "folder of the page's files (index.html, app.js, style.css), read "
+                            "at start (default: the build/web that `make web` writes)", metavar="DIR")
     max_message_bytes: int = 4 * 1024 * 1024
     tls_cert: str | None = None
     tls_key: str | None = None
     # A request's head, and then its body, must each arrive within this: a connection that sends nothing
     # (or a head a byte at a time) is closed, a body that trickles gets 408. Idle keep-alive: uvicorn's 5 s.
-    read_timeout_s: float = 15.0
+    read_timeout_s: float = flag(15.0, "--web-read-timeout-s", "a request's head, then its body, must each arrive "
+                                 "within this on the web port: a connection that sends nothing (or a byte at a "
+                                 "time) is closed, a trickling body gets 408")
     # Connections (and requests) at once on the web port; beyond, new requests get 503 at once.
-    max_connections: int = 4096
+    max_connections: int = flag(4096, "--web-max-connections", "connections and requests at once on the web port; "
+                                "beyond, requests get 503 at once")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

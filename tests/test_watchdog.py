@@ -7,7 +7,7 @@ from tokenline.engine.watchdog import StepWatchdog
 
 def test_a_busy_worker_silent_past_the_floor_is_reported_with_how_long():
     dog = StepWatchdog(floor_s=5.0)
-    dog.on_step(0, step_s=0.05, now=100.0)
+    dog.saw_step(0, step_s=0.05, now=100.0)
 
     assert dog.silent({0}, now=104.9) == []
     [silence] = dog.silent({0}, now=105.5)
@@ -16,14 +16,14 @@ def test_a_busy_worker_silent_past_the_floor_is_reported_with_how_long():
 
 def test_an_idle_worker_is_never_reported_however_long_it_is_quiet():
     dog = StepWatchdog(floor_s=5.0)
-    dog.on_step(0, step_s=0.05, now=100.0)
+    dog.saw_step(0, step_s=0.05, now=100.0)
 
     assert dog.silent(set(), now=10_000.0) == []
 
 
 def test_work_sent_to_an_idle_worker_starts_its_silence_anew():
     dog = StepWatchdog(floor_s=5.0)
-    dog.on_step(0, step_s=0.05, now=100.0)  # then idle for an hour
+    dog.saw_step(0, step_s=0.05, now=100.0)  # then idle for an hour
 
     dog.expect(0, now=3700.0)
 
@@ -33,7 +33,7 @@ def test_work_sent_to_an_idle_worker_starts_its_silence_anew():
 
 def test_a_worker_with_long_steps_gets_a_proportionally_longer_limit():
     dog = StepWatchdog(floor_s=5.0, factor=10.0)
-    dog.on_step(0, step_s=1.2, now=100.0)  # a long prefill step
+    dog.saw_step(0, step_s=1.2, now=100.0)  # a long prefill step
 
     assert dog.limit_s(0) == pytest.approx(12.0)
     assert dog.silent({0}, now=111.0) == []
@@ -42,7 +42,7 @@ def test_a_worker_with_long_steps_gets_a_proportionally_longer_limit():
 
 def test_a_forgotten_worker_is_not_reported():
     dog = StepWatchdog()
-    dog.on_step(3, step_s=0.01, now=0.0)
+    dog.saw_step(3, step_s=0.01, now=0.0)
 
     dog.forget(3)
 
@@ -56,7 +56,7 @@ def test_nonsense_limits_are_refused_with_a_message():
 
 def test_the_step_time_models_heaviest_step_widens_the_limit_before_any_long_step_is_seen():
     dog = StepWatchdog(floor_s=5.0, factor=10.0)
-    dog.on_step(0, step_s=0.01, now=100.0, heaviest_step_s=0.8)  # a full prefill budget would take 0.8 s
+    dog.saw_step(0, step_s=0.01, now=100.0, heaviest_step_s=0.8)  # a full prefill budget would take 0.8 s
 
     assert dog.limit_s(0) == pytest.approx(8.0)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenline.engine.flagspec import flag
 from tokenline.engine.types import TrafficClass
 
 
@@ -11,23 +12,38 @@ from tokenline.engine.types import TrafficClass
 class ClassConfig:
     """Limits and batching rule of one traffic class (per model)."""
 
-    admission_window_s: float = 0.0  # how long the oldest request may wait to be batched
-    max_queued_requests: int = 1024
-    max_queued_tokens: int = 1_000_000  # prompt + max new tokens of everything queued
-    max_attempts: int = 3  # first attempt + retries after worker failures
+    admission_window_s: float = flag(0.0, "--{cls}-window-ms", "admission window, {cls}: how long the oldest "
+                                     "request may wait to be batched with others", unit="ms")
+    max_queued_requests: int = flag(1024, "--queue-requests", "queued requests per class")
+    max_queued_tokens: int = flag(1_000_000, "--queue-tokens", "queued tokens per class (prompt + max new tokens)")
+    max_attempts: int = flag(3, "--max-attempts", "attempts per request across worker crashes")
     # Latency targets (None: none). While a class with an ITL target has streams running, every
     # step of their worker is composed to be predicted within it (composition.py); while none
     # runs, steps compute prompts in chunks small enough that a newcomer still meets the TTFT
     # target (the TTFT guard).
-    ttft_target_s: float | None = None
-    itl_target_s: float | None = None
+    ttft_target_s: float | None = flag(
+        None, "--{cls}-ttft-target-ms", "time to first token promised to {cls} streams: while none runs, a "
+        "worker's steps compute prompts in chunks small enough that one arriving mid-step still meets it (the "
+        "TTFT guard); 0: none", unit="ms", none_at_zero=True, only=("interactive",), type=float)
+    itl_target_s: float | None = flag(
+        None, "--{cls}-itl-target-ms", "time per output token promised to {cls} streams: while one runs, each step "
+        "of its worker is composed (bulk sequences paused, prompts chunked) to be predicted within it; 2-3x the "
+        "single-sequence step is a sensible value; 0: off", unit="ms", none_at_zero=True, only=("interactive",),
+        type=float)
     # The ITL target as a multiple of the worker's own single-sequence step, as it measures it
     # (used when itl_target_s is None): a target that follows the machine.
-    itl_target_steps: float | None = None
+    itl_target_steps: float | None = flag(
+        None, "--{cls}-itl-target-steps", "the same target as a multiple of the worker's single-sequence step as "
+        "it measures it, e.g. 2.5 (used when --{cls}-itl-target-ms is 0; 0: off)", none_at_zero=True,
+        only=("interactive",), type=float)
     # Output tokens a second the class is to keep making, across all of a model's workers, while
     # the other class's ITL target holds steps short (bulk's goal; None: bulk only never starves).
     # Met at the interactive class's expense: fewer interactive streams run at once (the rest wait).
-    throughput_goal_tok_s: float | None = None
+    throughput_goal_tok_s: float | None = flag(
+        None, "--{cls}-goal-tok-s", "output tokens a second {cls} keeps making (all workers together) while "
+        "interactive streams run under the ITL target: fewer interactive streams run at once (the others wait in "
+        "the queue) so that steps within the target leave {cls} this much; 0: none, {cls} only never starves",
+        none_at_zero=True, only=("bulk",), type=float)
 
     def itl_target_for(self, single_step_s: float) -> float | None:
         if self.itl_target_s is not None:
@@ -72,11 +88,11 @@ class TenantConfig:
 class SchedulerConfig:
     """Everything the scheduler decides by."""
 
-    interactive: ClassConfig = field(default_factory=ClassConfig)
-    bulk: ClassConfig = field(default_factory=lambda: ClassConfig(admission_window_s=0.02))
+    interactive: ClassConfig = flag(default_factory=ClassConfig, section=True)
+    bulk: ClassConfig = flag(default_factory=lambda: ClassConfig(admission_window_s=0.02), section=True)
     # Share of each worker's sequence slots and KV blocks kept for bulk while
     # bulk is waiting, so that interactive traffic can never starve it.
-    bulk_floor: float = 0.1
+    bulk_floor: float = flag(0.1, "--bulk-floor", "share of slots kept for waiting bulk")
     # KV blocks per worker never handed out (headroom for vLLM's own rounding).
     kv_watermark_blocks: int = 1
     # KV reserved for each running sequence beyond what it holds now: tokens it may add before the
