@@ -340,7 +340,6 @@ def _greedy(model: Any, prompt_ids: list[int], tokens: int, top_k: int) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(
         prog="python -m tokenline.engine.selfcheck",

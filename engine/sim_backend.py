@@ -126,7 +126,7 @@ class SimBackend:
             model_version=self.config.model_version or _model_version(self.config.model_path),
             kv_blocks_total=self.kv_blocks_total,
             block_size=self.config.block_size,
-            max_seqs=self.config.engine_seqs,
+            engine_seqs=self.config.engine_seqs,
             interactive_slots=self.config.interactive_slots,
             max_model_len=self.max_model_len,
             prefill_token_budget=self.config.prefill_token_budget,

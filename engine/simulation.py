@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Compose, Dispatch, Entry, Expire, Fail, Refuse, Retry, StopRun, request_of
+from tokenline.engine.scheduler.records import Abort, Admit, Entry, Expire, Fail, Refuse, Retry, SetPlan, request_of
 from tokenline.engine.sim_backend import StepCost
 from tokenline.engine.types import SeqOutput, StepPlan, StepReport, TrafficClass, WorkerSpec
 
@@ -137,7 +137,7 @@ def worker_spec(worker_id: int, *, max_seqs: int, continuous: bool, kv_blocks: i
                 interactive_slots: int = 0, runs_ahead: bool = False) -> WorkerSpec:
     return WorkerSpec(
         worker_id=worker_id, model=model, model_version="sim", kv_blocks_total=kv_blocks, block_size=block_size,
-        max_seqs=max_seqs, max_model_len=1_000_000, prefill_token_budget=prefill_token_budget, vocab_size=1000,
+        engine_seqs=max_seqs, max_model_len=1_000_000, prefill_token_budget=prefill_token_budget, vocab_size=1000,
         eos_token_id=None, continuous=continuous, interactive_slots=interactive_slots, runs_ahead=runs_ahead,
     )
 
@@ -219,7 +219,7 @@ class Simulation:
     def _handle(self, actions: list) -> None:
         now = self.clock.now
         for a in actions:
-            if isinstance(a, Dispatch):
+            if isinstance(a, Admit):
                 w = self.workers[a.worker_id]
                 seqs = []
                 for adm in a.admissions:
@@ -247,12 +247,12 @@ class Simulation:
                 o.status, o.completed = "expired", now
                 if a.worker_id is not None:
                     self._abort(a.worker_id, a.run_key)
-            elif isinstance(a, StopRun):
+            elif isinstance(a, Abort):
                 self._abort(a.worker_id, a.run_key)
             elif isinstance(a, Fail):
                 o = self.outcomes[a.key]
                 o.status, o.message, o.completed = "failed", a.message, now
-            elif isinstance(a, Compose):
+            elif isinstance(a, SetPlan):
                 self.workers[a.worker_id].plan = a.plan
             elif isinstance(a, Retry):
                 pass

@@ -225,7 +225,7 @@ class Supervisor:
             self.startup_s[spec.model] = time.monotonic() - spawned
         self._pin(wid)
         log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, %s, attention kernel %s, self-check %s",
-                 wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.max_seqs, spec.dtype or "-",
+                 wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.engine_seqs, spec.dtype or "-",
                  spec.execution or "-", spec.attention_kernel or "-", spec.self_check or "-")
         placement = getattr(self.handles.get(wid), "placement", None)
         if placement is not None:  # a Ray actor: where Ray put it

@@ -14,17 +14,20 @@ Glossary: one name per thing, from the caller to vLLM.
 - sample: one of n outputs of a request (n > 1), each its own request key with a sample index.
 - entry: the scheduler's record of a request (records.Entry): queued, running on a worker, or ended.
 - class: interactive or bulk (TrafficClass); each has its own queue, admission window and targets.
-- admission: the scheduler's decision to start a run on a worker (records.Admission); a Dispatch action carries
-  a worker's admissions, and the frontend sends them to the worker as one Admit message (a batch, `seq`).
-- stop: the scheduler ending a run (StopRun: cancelled, expired, preempted); the worker receives it as Abort.
+- admission: the scheduler's decision to start a run on a worker (records.Admission), taken in a dispatch round
+  (core.py `_dispatch`, its rules in rules.py DispatchRules). One name per action, from the scheduler to the worker:
+  the scheduler's Admit action carries a worker's admissions and the worker receives them as one Admit message
+  (its WorkItems, a batch numbered `seq`); the scheduler's Abort action (cancelled, expired, preempted) reaches the
+  worker as an Abort message; SetPlan carries a StepPlan, which the worker receives as is. The actions live in
+  engine/scheduler/records.py, the messages here; the runtime imports the messages as `wire`.
 - step: one engine step of a worker: every running sequence advances (a token, or a chunk of its prompt);
   its StepReport says what it did. Step period: report to report as the streams see it (the pace).
 - step plan: how a worker composes its steps while interactive sequences run (StepPlan); the scheduler's
-  Compose action carries it, the backend applies it (engine/backend.py set_plan).
+  SetPlan action carries it, the backend applies it (engine/backend.py set_plan).
 - pace: what the scheduler has learnt of a worker's speed (engine/scheduler/pace.py WorkerPace).
 - slots: the sequences a worker runs at once. WorkerConfig.max_seqs counts those bulk may fill;
-  interactive_slots are only interactive's; the engine runs both (WorkerConfig.engine_seqs), and
-  WorkerSpec.max_seqs reports that total.
+  interactive_slots are only interactive's; the engine runs both: WorkerConfig.engine_seqs, which the worker
+  reports as WorkerSpec.engine_seqs.
 - step report: a worker's StepReport. The Supervisor hands it on (on_report) to the runtime, which gives it to
   Scheduler.on_step (the one `on_step`); what the scheduler read from it (StepResult) goes to the runtime's
   step_hooks (the step log, Telemetry.record_step). The watchdog only hears that a step came (saw_step).
@@ -165,13 +168,13 @@ class WorkerSpec:
     model_version: str
     kv_blocks_total: int
     block_size: int
-    max_seqs: int  # sequences it runs at once, interactive_slots included
+    engine_seqs: int  # sequences it runs at once, interactive_slots included (WorkerConfig.engine_seqs)
     max_model_len: int
     prefill_token_budget: int
     vocab_size: int
     eos_token_id: int | None
     pid: int = 0
-    # Of max_seqs, the slots bulk may not take (WorkerConfig.interactive_slots): held for interactive
+    # Of engine_seqs, the slots bulk may not take (WorkerConfig.interactive_slots): held for interactive
     # streams, so that one arriving needs no bulk preempted for its slot.
     interactive_slots: int = 0
     continuous: bool = True  # False: a batch runs to completion before the next is admitted

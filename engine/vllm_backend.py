@@ -77,7 +77,7 @@ class VllmBackend:
             model_version=config.model_version or _model_version(config.model_path),
             kv_blocks_total=self.view.kv_blocks_total,
             block_size=engine.vllm_config.cache_config.block_size,
-            max_seqs=engine.vllm_config.scheduler_config.max_num_seqs,
+            engine_seqs=engine.vllm_config.scheduler_config.max_num_seqs,
             interactive_slots=config.interactive_slots,
             max_model_len=engine.model_config.max_model_len,
             prefill_token_budget=engine.vllm_config.scheduler_config.max_num_batched_tokens,

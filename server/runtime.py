@@ -20,8 +20,9 @@ from tokenline.engine.autoscale import AutoscaleConfig, read_pressure
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Compose, Dispatch, Expire, Fail, Refusal, Refuse, Retry, StepResult, StopRun
-from tokenline.engine.types import Abort, Admit, FinishReason, StepReport, TrafficClass, WorkerSpec, WorkItem
+from tokenline.engine import types as wire  # the messages a worker receives: wire.Admit, wire.Abort
+from tokenline.engine.scheduler.records import Abort, Admit, Expire, Fail, Refusal, Refuse, Retry, SetPlan, StepResult
+from tokenline.engine.types import FinishReason, StepReport, TrafficClass, WorkerSpec, WorkItem
 from tokenline.engine.supervisor import Supervisor
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
@@ -111,7 +112,7 @@ class Runtime:
         view = self.scheduler.workers.get(wid)
         if view is None:
             return 0.0
-        return max(view.pace.estimator.predict_s(view.spec.max_seqs, view.spec.prefill_token_budget), view.spec.full_step_s)
+        return max(view.pace.estimator.predict_s(view.spec.engine_seqs, view.spec.prefill_token_budget), view.spec.full_step_s)
 
     def _capacity_changed(self) -> None:
         # A model scaled to zero serves: its requests queue and start a worker.
@@ -229,16 +230,16 @@ class Runtime:
     def _handle(self, actions: list) -> None:
         now = time.monotonic()
         for a in actions:
-            if isinstance(a, Dispatch):
-                self._dispatch(a, now)
-            elif isinstance(a, Compose):
+            if isinstance(a, Admit):
+                self._send_admit(a, now)
+            elif isinstance(a, SetPlan):
                 self._send(a.worker_id, a.plan)
             elif isinstance(a, Expire):
                 if a.worker_id is not None:
-                    self._send(a.worker_id, Abort((a.run_key,)))
+                    self._send(a.worker_id, wire.Abort((a.run_key,)))
                 self._finish(a.key, FinishReason.DEADLINE, DeadlineUnmeetable("the request's deadline passed before it finished"))
-            elif isinstance(a, StopRun):
-                self._send(a.worker_id, Abort((a.run_key,)))
+            elif isinstance(a, Abort):
+                self._send(a.worker_id, wire.Abort((a.run_key,)))
                 st = self.requests.get(a.key)
                 if st is not None and a.preempted:
                     st.timeline.interrupt(now, "preemption")
@@ -265,7 +266,7 @@ class Runtime:
             del self._quarantined[min(self._quarantined, key=self._quarantined.__getitem__)]
         self._quarantined[fingerprint] = now + self.quarantine_s
 
-    def _dispatch(self, d: Dispatch, now: float) -> None:
+    def _send_admit(self, d: Admit, now: float) -> None:
         if d.idle_before:
             self.workers.expect(d.worker_id)
         items = []
@@ -285,7 +286,7 @@ class Runtime:
                                   priority=0 if st.cls == TrafficClass.INTERACTIVE else 1, fault_marker=st.fault_marker,
                                   delivered_tokens=adm.generated, shown_chars=sum(map(len, st.text[:adm.generated])),
                                   prompt_logprobs_sent=st.prompt_logprobs is not None))
-        self._send(d.worker_id, Admit(d.seq, tuple(items)))
+        self._send(d.worker_id, wire.Admit(d.seq, tuple(items)))
 
     def _send(self, wid: int | None, msg: object) -> None:
         self.workers.send(wid, msg)

@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Link, Status, StatusCode
 
-from tokenline.engine.scheduler.records import Retry, StepResult, StopRun
+from tokenline.engine.scheduler.records import Abort, Retry, StepResult
 from tokenline.engine.types import StepReport, TrafficClass
 
 from tokenline.server.logs import logfmt, snake_case
@@ -327,13 +327,13 @@ class Telemetry:
     @_guarded
     def on_action(self, action: object) -> None:
         """A scheduler action the runtime just carried out: count interruptions, start their clocks."""
-        if not isinstance(action, (StopRun, Retry)) or (isinstance(action, StopRun) and not action.preempted):
+        if not isinstance(action, (Abort, Retry)) or (isinstance(action, Abort) and not action.preempted):
             return
         st = self.runtime.requests.get(action.key)
         if st is None:
             return
         labels = {"model": st.model, "class": st.cls.name.lower()}
-        (self._preemptions if isinstance(action, StopRun) else self._retries).add(1, labels)
+        (self._preemptions if isinstance(action, Abort) else self._retries).add(1, labels)
 
     # ------------------------------------------------------------- gauges
 

@@ -11,7 +11,7 @@ import pytest
 from tokenline.client import Client
 from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Dispatch, Entry, Refuse
+from tokenline.engine.scheduler.records import Admit, Entry, Refuse
 from tokenline.engine.simulation import worker_spec
 from tokenline.engine.types import TrafficClass
 from tests.support import ServerProcess, wait_until
@@ -48,7 +48,7 @@ def test_a_model_that_starts_on_demand_queues_work_while_it_has_no_worker_and_ru
     too_large = s.submit(entry("d", prompt_tokens=2000))  # checked against the worker it last had
     assert isinstance(too_large[0], Refuse) and too_large[0].reason.name == "TOO_LARGE"
     actions = s.add_worker(worker_spec(1, max_seqs=4, continuous=True, model="sim"))
-    assert sorted(a.key for d in actions if isinstance(d, Dispatch) for a in d.admissions) == ["a", "c"]
+    assert sorted(a.key for d in actions if isinstance(d, Admit) for a in d.admissions) == ["a", "c"]
 
 
 def test_a_model_without_workers_that_cannot_start_one_refuses_at_once():

@@ -7,7 +7,7 @@ next crash names its culprit exactly; that one is quarantined, and nobody else i
 
 from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
-from tokenline.engine.scheduler.records import Dispatch, Entry, Fail, Retry
+from tokenline.engine.scheduler.records import Admit, Entry, Fail, Retry
 from tokenline.engine.simulation import worker_spec
 from tokenline.engine.types import TrafficClass
 
@@ -30,7 +30,7 @@ def entry(key: str) -> Entry:
 
 
 def admitted(actions: list) -> list[str]:
-    return [a.key for d in actions if isinstance(d, Dispatch) for a in d.admissions]
+    return [a.key for d in actions if isinstance(d, Admit) for a in d.admissions]
 
 
 def spec(worker_id: int):

@@ -53,7 +53,7 @@ def _prompts_admitted_on_a_report(runs_ahead: bool) -> tuple[int, int]:
     from dataclasses import replace
 
     from tokenline.engine.scheduler.core import Scheduler
-    from tokenline.engine.scheduler.records import Dispatch, Entry
+    from tokenline.engine.scheduler.records import Admit, Entry
     from tokenline.engine.types import StepReport, TrafficClass
 
     now = ClassConfig(admission_window_s=0.0)
@@ -62,7 +62,7 @@ def _prompts_admitted_on_a_report(runs_ahead: bool) -> tuple[int, int]:
                          runs_ahead=runs_ahead))
 
     def admitted(actions: list) -> int:
-        return sum(len(d.admissions) for d in actions if isinstance(d, Dispatch))
+        return sum(len(d.admissions) for d in actions if isinstance(d, Admit))
 
     first = sum(admitted(s.submit(Entry(key=f"b{i}", model="sim", tenant="t", cls=TrafficClass.BULK,
                                         prompt_tokens=256, max_tokens=64, arrival=0.0))) for i in range(12))
@@ -85,7 +85,7 @@ def test_prompts_waiting_for_their_format_to_compile_are_still_owed_so_a_compili
     two prompts a report, a hundred reports a second, until it held nearly all of a burst (55 of 64, the
     other worker 9, and every step twice as long). Its stalled prompts count against its step budget."""
     from tokenline.engine.scheduler.core import Scheduler
-    from tokenline.engine.scheduler.records import Dispatch, Entry
+    from tokenline.engine.scheduler.records import Admit, Entry
     from tokenline.engine.types import StepReport, TrafficClass
 
     def admitted_on_empty_reports(stalled: int) -> int:
@@ -99,7 +99,7 @@ def test_prompts_waiting_for_their_format_to_compile_are_still_owed_so_a_compili
         for seq in range(1, 6):  # five empty steps: the format is still compiling
             report = StepReport(worker_id=0, applied_seq=seq, step_s=0.0002, batch_size=0, prefill_tokens=0,
                                 kv_blocks_free=1000, running=0, waiting=2, stalled_prompt_tokens=stalled)
-            total += sum(len(d.admissions) for d in s.on_step(report).actions if isinstance(d, Dispatch))
+            total += sum(len(d.admissions) for d in s.on_step(report).actions if isinstance(d, Admit))
         return total
 
     assert admitted_on_empty_reports(stalled=512) == 0  # the first two prompts fill its budget until they run

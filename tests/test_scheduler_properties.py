@@ -44,7 +44,7 @@ def check_invariants(sim: Simulation) -> None:
         # not be preempted, interactive or promised, may outgrow it: vLLM then preempts by priority).
         if w.reserved_blocks > w.spec.kv_blocks_total - sched.config.kv_watermark_blocks:
             assert not any(sched._may_preempt_for_kv(e) for e in w.running.values())
-        assert len(w.running) <= w.spec.max_seqs
+        assert len(w.running) <= w.spec.engine_seqs
         assert w.reserved_blocks == sum(e.blocks for e in w.running.values())
     running = [e.key for w in sched.workers.values() for e in w.running.values()]
     assert len(running) == len(set(running)), "a request runs twice at once"

@@ -132,7 +132,7 @@ def test_worker_reports_what_it_can_hold_when_ready(worker):
     assert spec.kv_blocks_total > 0 and spec.block_size == 128
     # The engine runs bulk's 16 slots and the ones held for interactive streams.
     assert spec.interactive_slots == WorkerConfig.interactive_slots
-    assert spec.max_seqs == 16 + spec.interactive_slots and spec.max_model_len == 2048
+    assert spec.engine_seqs == 16 + spec.interactive_slots and spec.max_model_len == 2048
     assert spec.vocab_size > 0 and spec.eos_token_id is not None
     assert spec.pid == worker.handle.pid
     assert len(spec.model_version) == 12

@@ -106,7 +106,7 @@ class AdmissionControl:
                 free_at += sorted(x.est_finish for x in w.running.values())
             else:
                 batch_end = max(x.est_finish for x in w.running.values())
-                free_at += [batch_end] * w.spec.max_seqs
+                free_at += [batch_end] * w.spec.engine_seqs
         free_at.sort()
         ahead = len(model.queues[TrafficClass.INTERACTIVE])
         if e.cls == TrafficClass.BULK:

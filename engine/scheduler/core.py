@@ -30,8 +30,8 @@ from tokenline.engine.scheduler.pace import WorkerPace
 from tokenline.engine.scheduler.planner import StepPlanner
 from tokenline.engine.scheduler.preemption import Preemption
 from tokenline.engine.scheduler.queues import ClassQueue
-from tokenline.engine.scheduler.records import (Action, Admission, Compose, Counters, Delivery, Dispatch, Entry, Expire,
-                                                StepResult, StopRun)
+from tokenline.engine.scheduler.records import (Abort, Action, Admission, Admit, Counters, Delivery, Entry, Expire,
+                                                SetPlan, StepResult)
 from tokenline.engine.scheduler.rules import DispatchRules
 from tokenline.engine.scheduler.state import ModelState, Round, WorkerView
 from tokenline.engine.scheduler.status import FINAL, Status, transition
@@ -128,7 +128,7 @@ class Scheduler:
         if e.status == Status.QUEUED:
             self._dequeue(e)
         else:
-            actions.append(StopRun(e.key, e.worker_id, e.run_key))
+            actions.append(Abort(e.key, e.worker_id, e.run_key))
             self._release(e)
         transition(e, Status.CANCELLED)
         self._forget(e)
@@ -251,7 +251,7 @@ class Scheduler:
     def _admit_queued(self, model_name: str, model: ModelState, now: float, reporting: int | None = None) -> list[Action]:
         """Interactive on every worker first, then bulk; passes until nothing moves (a head that fits
         no worker may unblock one behind it elsewhere, and slots held for waiting bulk return to
-        interactive once bulk has gone). One Dispatch per worker that got anything."""
+        interactive once bulk has gone). One Admit per worker that got anything."""
         workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
         r = Round(workers, {wid: self.rules.budget(self.workers[wid], at_boundary=wid == reporting) for wid in workers},
                   {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
@@ -269,7 +269,7 @@ class Scheduler:
                 prompts = [(self.entries[a.key].prompt_tokens + a.generated, self.entries[a.key].cls) for a in r.admitted[wid]]
                 w.pending_prefill[w.seq] = (sum(n for n, _ in prompts),
                                             sum(n for n, cls in prompts if cls == TrafficClass.INTERACTIVE))
-                actions.append(Dispatch(wid, w.seq, tuple(r.admitted[wid]), idle_before=len(w.running) == len(r.admitted[wid])))
+                actions.append(Admit(wid, w.seq, tuple(r.admitted[wid]), idle_before=len(w.running) == len(r.admitted[wid])))
         return actions
 
     def _admit_class(self, model_name: str, model: ModelState, cls: TrafficClass, r: Round, now: float,
@@ -309,7 +309,7 @@ class Scheduler:
             plan = self.planner.plan(w, model)
             if (plan.bulk_decode, plan.prefill_tokens, plan.guard_prefill_tokens) != \
                     (w.plan.bulk_decode, w.plan.prefill_tokens, w.plan.guard_prefill_tokens):
-                actions.append(Compose(wid, plan))
+                actions.append(SetPlan(wid, plan))
             w.plan = plan
         return actions
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from tokenline.engine.scheduler.budget import blocks_for
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.planner import StepPlanner
-from tokenline.engine.scheduler.records import Action, Counters, Entry, StopRun
+from tokenline.engine.scheduler.records import Abort, Action, Counters, Entry
 from tokenline.engine.scheduler.rules import DispatchRules
 from tokenline.engine.scheduler.state import ModelState, WorkerView
 from tokenline.engine.scheduler.status import Status, transition
@@ -55,7 +55,7 @@ class Preemption:
             w = self.workers[wid]
             if not w.spec.continuous or not self.planner.keeps_itl_target(head, w, model):
                 continue  # preempting bulk would not let it in
-            floor = math.floor(w.spec.max_seqs * self.config.bulk_floor)
+            floor = math.floor(w.spec.engine_seqs * self.config.bulk_floor)
             bulk = sorted((e for e in w.running.values() if e.cls == TrafficClass.BULK), key=lambda e: e.arrival)
             # Newest first; a run preempted too often keeps its place, so bulk always progresses.
             victims = [v for v in reversed(bulk[floor:]) if v.preemptions < self.config.max_preemptions]
@@ -104,7 +104,7 @@ class Preemption:
 
     def preempt(self, v: Entry, now: float) -> Action:
         """Stop a running bulk run; it goes back to the front of its queue and later continues."""
-        action = StopRun(v.key, v.worker_id, v.run_key, preempted=True)
+        action = Abort(v.key, v.worker_id, v.run_key, preempted=True)
         self.release(v)
         transition(v, Status.QUEUED)
         v.preemptions += 1

@@ -92,8 +92,9 @@ class Admission:
 
 
 @dataclass(frozen=True)
-class Dispatch:
-    """Admit these runs into a worker at its next step boundary."""
+class Admit:
+    """Admit these runs into a worker at its next step boundary: the worker receives them as one Admit message
+    (engine/types.py), their WorkItems."""
 
     worker_id: int
     seq: int
@@ -119,8 +120,9 @@ class Expire:
 
 
 @dataclass(frozen=True)
-class StopRun:
-    """Abort a run in its worker (cancel, preemption); frees its KV at once."""
+class Abort:
+    """Abort a run in its worker (cancel, preemption); frees its KV at once. The worker receives an Abort message
+    (engine/types.py) with its run key."""
 
     key: str
     worker_id: int
@@ -144,14 +146,15 @@ class Retry:
 
 
 @dataclass(frozen=True)
-class Compose:
-    """Compose this worker's coming steps by `plan` (composition.py) until told otherwise."""
+class SetPlan:
+    """Compose this worker's coming steps by `plan` (composition.py) until told otherwise: the worker receives
+    the StepPlan itself and its backend applies it (engine/backend.py set_plan)."""
 
     worker_id: int
     plan: StepPlan
 
 
-Action = Dispatch | Refuse | Expire | StopRun | Fail | Retry | Compose
+Action = Admit | Refuse | Expire | Abort | Fail | Retry | SetPlan  # what the scheduler decides; the runtime carries out
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class DispatchRules:
         """Slots interactive may not take from this worker while bulk waits below its floor."""
         if not model.queues[TrafficClass.BULK] or self.config.bulk_floor == 0:
             return 0
-        floor = max(1, math.floor(w.spec.max_seqs * self.config.bulk_floor))
+        floor = max(1, math.floor(w.spec.engine_seqs * self.config.bulk_floor))
         bulk_running = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK)
         return max(floor - bulk_running, 0)
 

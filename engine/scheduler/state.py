@@ -40,7 +40,7 @@ class WorkerView:
         """Free sequence slots; for bulk, less those held for interactive streams."""
         if not self.accepting():
             return 0
-        free = self.spec.max_seqs - len(self.running)
+        free = self.spec.engine_seqs - len(self.running)
         return max(free - self.held_for_interactive(), 0) if cls == TrafficClass.BULK else free
 
     def held_for_interactive(self) -> int:
