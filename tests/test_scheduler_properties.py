@@ -61,8 +61,8 @@ def check_invariants(sim: Simulation) -> None:
                 reserve = sched.rules.bulk_reserve(w, model)
                 trial = budget.copy()
                 trial.slots -= reserve
-                if not sched.admission.keeps_deadlines(w, len(w.running) + 1, now):
-                    continue  # admitting would make running requests miss their deadlines
+                if not sched.admission.keeps_deadlines(w, len(w.running) + 1, now, head.prompt_tokens + head.generated):
+                    continue  # admitting it (its prompt too) would make running requests miss their deadlines
                 assert not trial.fits(head), f"interactive {head.key} waits while worker {wid} has room"
 
 

@@ -472,3 +472,32 @@ def test_a_prompt_cost_the_fit_has_forgotten_is_still_planned_by_the_cost_measur
 def test_the_scheduler_measures_a_workers_prompt_cost_from_its_prompt_steps(composed):
     worker = composed.scheduler.workers[0]
     assert worker.pace.prefill_token_s == pytest.approx(PER_PREFILL_TOKEN_S, rel=0.35)
+
+
+@pytest.mark.parametrize("cost, idle_first_token_s", [
+    ((BASE_S, PER_SEQ_S, PER_PREFILL_TOKEN_S), BASE_S + PER_SEQ_S + 128 * PER_PREFILL_TOKEN_S),  # fast: the floor
+    ((0.100, 0.0106, 0.005), 0.100 + 0.0106 + 128 * 0.005),  # the default model on a 2-core AVX2 box: 3 × 0.75 s
+])
+def test_a_ttft_target_in_idle_first_tokens_follows_the_worker_and_arrivals_meet_it(cost, idle_first_token_s):
+    """`tokenline serve`'s default TTFT target: 3 × what the worker, idle, needs for a typical interactive
+    prompt's first token (learnt from its steps and from the prompts interactive requests bring), at least
+    the floor; the guard then keeps arrivals into a bulk flood within it, where unguarded ones wait for long
+    prompt steps."""
+    def run(first_tokens: float | None) -> Simulation:
+        config = SchedulerConfig(interactive=ClassConfig(itl_target_steps=3.0, ttft_target_first_tokens=first_tokens),
+                                 bulk_floor=0.0)
+        spec = worker_spec(0, max_seqs=24, continuous=True, prefill_token_budget=1024)
+        sim = Simulation(config, [(spec, linear_cost(*cost))])
+        reqs = [SimRequest(f"bulk-{i}", 0.0, prompt_tokens=256, max_tokens=64, cls=TrafficClass.BULK) for i in range(96)]
+        reqs += [SimRequest(f"chat-{i}", 12.05 + i * 3.93, prompt_tokens=128, max_tokens=8) for i in range(10)]
+        sim.run(reqs)
+        assert all(o.status == "finished" for o in sim.outcomes.values())
+        return sim
+
+    guarded = run(3.0)
+    sched = guarded.scheduler
+    target = sched.planner.ttft_target(sched.workers[0], sched.models["sim"])
+    expected = max(3.0 * idle_first_token_s, sched.config.ttft_target_floor_s)
+    assert target == pytest.approx(expected, rel=0.1)
+    assert max(_ttfts(guarded)) <= target
+    assert max(_ttfts(run(None))) > target  # the same arrivals, behind whole 1024-token prompt steps

@@ -30,6 +30,14 @@ class ClassConfig:
         "of its worker is composed (bulk sequences paused, prompts chunked) to be predicted within it; 2-3x the "
         "single-sequence step is a sensible value; 0: off", unit="ms", none_at_zero=True, only=("interactive",),
         type=float)
+    # The TTFT target as a multiple of what an idle worker needs for a typical interactive prompt's first token
+    # (one step of that prompt, by the worker's measured step line and prompt cost), never below
+    # SchedulerConfig.ttft_target_floor_s (used when ttft_target_s is None): a target that follows the machine
+    # and the model, as slow prompts on a slow CPU need more than a fast one.
+    ttft_target_first_tokens: float | None = flag(
+        None, "--{cls}-ttft-target-first-tokens", "the TTFT target as a multiple of an idle worker's first token "
+        "for a typical {cls} prompt, as it measures it, and never below 500 ms (used when --{cls}-ttft-target-ms "
+        "is 0; 0: off)", none_at_zero=True, only=("interactive",), type=float)
     # The ITL target as a multiple of the worker's own single-sequence step, as it measures it
     # (used when itl_target_s is None): a target that follows the machine.
     itl_target_steps: float | None = flag(
@@ -45,12 +53,22 @@ class ClassConfig:
         "the queue) so that steps within the target leave {cls} this much; 0: none, {cls} only never starves",
         none_at_zero=True, only=("bulk",), type=float)
 
+    def ttft_target_for(self, idle_first_token_s: float, floor_s: float) -> float | None:
+        if self.ttft_target_s is not None:
+            return self.ttft_target_s
+        if self.ttft_target_first_tokens is None:
+            return None
+        return max(self.ttft_target_first_tokens * idle_first_token_s, floor_s)
+
     def itl_target_for(self, single_step_s: float) -> float | None:
         if self.itl_target_s is not None:
             return self.itl_target_s
         return self.itl_target_steps * single_step_s if self.itl_target_steps is not None else None
 
     def __post_init__(self) -> None:
+        if self.ttft_target_first_tokens is not None and self.ttft_target_first_tokens < 1:
+            raise ValueError(f"ttft_target_first_tokens must be >= 1 (a first token cannot come sooner than an idle "
+                             f"worker gives it), got {self.ttft_target_first_tokens}")
         if self.itl_target_steps is not None and self.itl_target_steps < 1:
             raise ValueError(f"itl_target_steps must be >= 1 (a step cannot be shorter than a single sequence's), got {self.itl_target_steps}")
         if self.throughput_goal_tok_s is not None and self.throughput_goal_tok_s <= 0:
@@ -132,6 +150,13 @@ class SchedulerConfig:
     # finished streams, as before, kept the median stream at 0.91 × T and bulk at 0.85-0.94 of its
     # bound at T = 2 single steps on the default model.) Admission plans interactive streams at it too.
     itl_set_point: float = 0.97
+    # The TTFT guard's own margin: while no interactive stream runs, a step's prompt tokens are capped so that a
+    # newcomer arriving mid-step gets its first token within `ttft_set_point` of the TTFT target. Lower than the
+    # ITL set point: a first token has no later steps to pay an error back, and its wait adds the frontend's hops.
+    ttft_set_point: float = 0.8
+    # The least TTFT target a multiple of the idle first token (ClassConfig.ttft_target_first_tokens) gives:
+    # tighter buys a caller nothing the frontend's own hops would not eat, and costs bulk its prompt chunks.
+    ttft_target_floor_s: float = 0.5
     # Let at least this many bulk sequences decode in every step, so that bulk never starves
     # while interactive streams run.
     min_bulk_decode: int = 1
@@ -150,6 +175,8 @@ class SchedulerConfig:
             raise ValueError(f"step_time_prior_s must be > 0, got {self.step_time_prior_s}")
         if not 0.0 < self.itl_set_point <= 1.0:
             raise ValueError(f"itl_set_point must be in (0, 1], got {self.itl_set_point}")
+        if not 0.0 < self.ttft_set_point <= 1.0:
+            raise ValueError(f"ttft_set_point must be in (0, 1], got {self.ttft_set_point}")
         if self.min_itl_target_steps < 1:
             raise ValueError(f"min_itl_target_steps must be >= 1 (a step cannot be shorter than a single sequence's), got {self.min_itl_target_steps}")
         if self.min_bulk_decode < 0:

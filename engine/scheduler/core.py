@@ -332,6 +332,7 @@ class Scheduler:
         e.worker_id = w.spec.worker_id
         e.blocks = blocks_for(e, w.spec.block_size, self.config.kv_margin_tokens)
         w.reserved_blocks += e.blocks
+        w.pace.woke_at = now if not w.running else w.pace.woke_at  # idle until now: no step period spans that
         w.running[e.run_key] = e
         batch = len(w.running)
         est = w.pace.estimator

@@ -38,6 +38,9 @@ class WorkerPace:
     # report is read runs, from that report on, the plan it had.
     under_way_step_s: float = 0.0
     last_report_at: float = 0.0  # when its last step ended (the next one began)
+    # When it last got work while idle: a step period never counts the idle time before (a prompt step after a
+    # quiet minute would otherwise be taken for a minute-long step, and its prompt for a very slow one).
+    woke_at: float = 0.0
 
     @classmethod
     def fresh(cls, step_prior_s: float, prefill_prior_s: float) -> WorkerPace:
@@ -52,7 +55,7 @@ class WorkerPace:
         """One step report. `busy`: it had work since its last report, so report to report is one whole
         step period; `plan`: the plan the step ran under."""
         if busy and self.last_report_at and report.batch_size:
-            period = max(now - self.last_report_at, report.step_s)
+            period = max(now - max(self.last_report_at, self.woke_at), report.step_s)
             self.cadence.observe(report.batch_size, report.prefill_tokens, period)
             if report.batch_size == 1 and not report.prefill_tokens:
                 self.single_step_s = period if self.single_step_s is None else 0.9 * self.single_step_s + 0.1 * period

@@ -30,11 +30,12 @@ class StepPlanner:
                           interactive_decoding=sum(1 for e in interactive if e.prefilled),
                           bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding)
         pace, single = w.pace, w.pace.single()
-        # `share` now only sizes the TTFT guard (share × TTFT target): the ITL steps follow the step budget.
+        # `share` only sizes the TTFT guard (share × TTFT target), by its own set point: the ITL steps follow the
+        # step budget.
         return compose_step(load, pace.cadence, self.itl_target(interactive, single),
-                            share=self.config.itl_set_point, min_bulk=self.config.min_bulk_decode,
+                            share=self.config.ttft_set_point, min_bulk=self.config.min_bulk_decode,
                             step_budget_s=self.step_budget(w, interactive, single),
-                            ttft_target_s=self.config.interactive.ttft_target_s,
+                            ttft_target_s=self.ttft_target(w, model),
                             typical_prompt=round(model.interactive_prompt_tokens), single_step_s=pace.single_step_s,
                             prefill_token_s=pace.prefill_token_s, bulk_prompt_per_output=model.bulk_prompt_per_output)
 
@@ -64,6 +65,13 @@ class StepPlanner:
         if not allowances:
             return None
         return min(min(allowances) / pace.step_ratio, longest_step(min(targets), self.config.itl_set_point))
+
+    def ttft_target(self, w: WorkerView, model: ModelState) -> float | None:
+        """The interactive class's TTFT target on this worker: as given, or a multiple of what the worker, idle,
+        needs for a typical interactive prompt's first token (its step line at one sequence, and the prompt)."""
+        pace = w.pace
+        idle_first_token_s = pace.single() + pace.line(1)[2] * model.interactive_prompt_tokens
+        return self.config.interactive.ttft_target_for(idle_first_token_s, self.config.ttft_target_floor_s)
 
     def bulk_goal_per_worker(self, model: ModelState) -> float | None:
         """Each worker's part of bulk's throughput goal: the model's goal shared evenly by its workers."""
