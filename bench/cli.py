@@ -239,7 +239,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="interactive ITL targets in ms instead of --itl-target-steps: the same T for every server and run, "
                           "so that configurations or days compare at one target")
     mix.add_argument("--ttft-target-ms", type=float, default=500.0, help="interactive TTFT target (default %(default)s)")
-    mix.add_argument("--skip", default="", help="'vllm' or 'tokenline': leave that server out")
+    mix.add_argument("--skip", default="", help="'vllm' or 'tokenline': leave that server out; 'defaults': leave out the "
+                                               "run of tokenline with its own default targets")
     mix.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")
     mix.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     mix.add_argument("--out", default=None, help="output folder (default bench-results/mixed-<time>)")

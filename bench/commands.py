@@ -245,8 +245,8 @@ def cmd_mixed(args: argparse.Namespace) -> int:
     from tokenline.bench.servers import EngineSettings
 
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if skip - {"vllm", "tokenline"}:
-        raise UsageError(f"--skip takes 'vllm' or 'tokenline', not {args.skip!r}")
+    if skip - {"vllm", "tokenline", "defaults"}:
+        raise UsageError(f"--skip takes 'vllm', 'tokenline' or 'defaults', not {args.skip!r}")
     spec = MixedSpec(settings=EngineSettings(model=args.model, kv_cache_mb=args.kv_cache_mb, max_seqs=args.max_seqs,
                                                    interactive_slots=args.interactive_slots, threads=args.threads,
                                                    compile=args.compile == "on"),
@@ -255,7 +255,7 @@ def cmd_mixed(args: argparse.Namespace) -> int:
                      interactive_lengths=(args.interactive_input_len, args.interactive_output_len),
                      duration_s=args.duration_s, itl_target_steps=tuple(args.itl_target_steps),
                      itl_targets_ms=tuple(args.itl_target_ms or ()), ttft_target_ms=args.ttft_target_ms,
-                     servers=tuple(k for k in ("tokenline", "vllm") if k not in skip),
+                     servers=tuple(k for k in ("tokenline", "vllm") if k not in skip), defaults_run="defaults" not in skip,
                      tokenline_engine=args.tokenline_engine, seed=args.seed)
     folder = out_dir(args, "mixed")
     run(mixed(spec, folder, log=lambda line: print(line, flush=True)))

@@ -1,6 +1,6 @@
 """`bench mixed`: interactive streams inside a bulk flood: do they keep their targets, and what does bulk keep?
 
-tokenline runs first with no target, for the references:
+tokenline runs first with its targets off (`tokenline serve`'s are on by default), for the references:
 1. bulk alone: a closed loop of `bulk_concurrency` streams (bulk-only throughput, and the step-period
    curve from its step log);
 2. interactive alone: one stream at a time (its single-sequence ITL, which sets the targets).
@@ -8,6 +8,8 @@ Then, for each ITL target T (`itl_target_steps` × that ITL), a fresh tokenline 
 and `--interactive-ttft-target-ms`:
 3. bulk alone again (what the targets cost bulk when no interactive stream comes: ÷ run 1);
 4. the mix: the same bulk loop plus Poisson interactive arrivals.
+Then, unless skipped, tokenline with its own defaults (no target flag: the targets `tokenline serve` sets
+itself) runs 3 and 4, scored at T = its default multiple (server/flags.py ITL_TARGET_STEPS) of that ITL.
 `vllm serve` runs 1, 2 and 4 once; its mix is scored against each T (in its own single-sequence ITLs).
 Reported per server and T: interactive attainment of TTFT ≤ target, of ITL ≤ T, of both; bulk in the mix over
 bulk alone; and, for tokenline, the most bulk throughput any schedule could give under T: from the step-time
@@ -50,6 +52,7 @@ class MixedSpec:
     itl_targets_ms: tuple[float, ...] = ()
     ttft_target_ms: float = 500.0
     servers: tuple[str, ...] = ("tokenline", "vllm")
+    defaults_run: bool = True  # also tokenline with no target flag, scored at its default T
     tokenline_engine: str = "vllm"
     seed: int = 0
 
@@ -102,18 +105,23 @@ async def mixed(spec: MixedSpec, out_dir: Path, *, log=print) -> dict[str, Any]:
         report["servers"]["tokenline"] = {"solo_itl_ms": solo_itl_ms, "bulk_alone_tok_s": alone_tok_s,
                                           "step_curve_ms": {"a": curve[0] * 1000, "b": curve[1] * 1000,
                                                             "c_per_prompt_token": prompt_cost_s * 1000}}
-        for steps, itl_ms in spec.targets(solo_itl_ms):
+        runs = [(steps, itl_ms, f"itl-{itl_ms:g}ms" if spec.itl_targets_ms else f"itl-{steps:g}x", True)
+                for steps, itl_ms in spec.targets(solo_itl_ms)]
+        if spec.defaults_run:
+            from tokenline.server.flags import ITL_TARGET_STEPS
+
+            runs.append((ITL_TARGET_STEPS, ITL_TARGET_STEPS * solo_itl_ms, "defaults", False))
+        for steps, itl_ms, name, flagged in runs:
             slo = Slo(ttft_ms=spec.ttft_target_ms, itl_ms=itl_ms)
-            name = f"itl-{itl_ms:g}ms" if spec.itl_targets_ms else f"itl-{steps:g}x"
             out = out_dir / "tokenline" / name
             step_log = _fresh(out / "steps.jsonl")
-            with _start_tokenline(spec, out_dir, name, step_log, slo) as server:
-                unused = await run(f"tokenline, ITL target {slo.itl_ms:.1f} ms · bulk alone", out / "bulk-alone",
-                                   spec.bench(server.address, spec.bulk()))
+            what = f"ITL target {slo.itl_ms:.1f} ms" if flagged else "its default targets"
+            with _start_tokenline(spec, out_dir, name, step_log, slo if flagged else "defaults") as server:
+                unused = await run(f"tokenline, {what} · bulk alone", out / "bulk-alone", spec.bench(server.address, spec.bulk()))
                 mix_start = _log_len(step_log)
-                mix = await run(f"tokenline, ITL target {slo.itl_ms:.1f} ms · mixed", out / "mixed",
+                mix = await run(f"tokenline, {what} · mixed", out / "mixed",
                                 spec.bench(server.address, spec.bulk(), spec.interactive(slo)))
-            result = _scored("tokenline", steps, slo, mix, alone_tok_s, spec.duration_s)
+            result = _scored("tokenline" if flagged else "tokenline (defaults)", steps, slo, mix, alone_tok_s, spec.duration_s)
             result["bulk_alone_targeted_tok_s"] = steady_tok_s(unused, "bulk", spec.duration_s)
             result["unused_target_cost"] = result["bulk_alone_targeted_tok_s"] / alone_tok_s
             mixed_steps = _read_steps(step_log)[mix_start:]
@@ -259,8 +267,17 @@ def format_mixed(report: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
-def _start_tokenline(spec: MixedSpec, out_dir: Path, name: str, step_log: Path, slo: Slo | None = None) -> ServerProcess:
-    targets = ("--interactive-itl-target-ms", f"{slo.itl_ms:.3f}", "--interactive-ttft-target-ms", f"{slo.ttft_ms:g}") if slo else ()
+TARGETS_OFF = ("--interactive-itl-target-steps", "0", "--interactive-ttft-target-first-tokens", "0")
+
+
+def _start_tokenline(spec: MixedSpec, out_dir: Path, name: str, step_log: Path, slo: Slo | str | None = None) -> ServerProcess:
+    """tokenline with the targets of `slo`; None: its targets off (the references); "defaults": no target flag."""
+    if slo == "defaults":
+        targets: tuple[str, ...] = ()
+    elif isinstance(slo, Slo):
+        targets = ("--interactive-itl-target-ms", f"{slo.itl_ms:.3f}", "--interactive-ttft-target-ms", f"{slo.ttft_ms:g}")
+    else:
+        targets = TARGETS_OFF
     return start_tokenline(spec.settings, out_dir / "logs" / f"tokenline-{name}.log", engine=spec.tokenline_engine,
                            extra_args=("--workers", "1", *targets, "--step-log", str(step_log)))
 

@@ -41,7 +41,8 @@ def run_serve(args: argparse.Namespace) -> int:
                             **_sim_costs(args))
         limits = read_flags(args, Limits, default_max_tokens=args.default_max_tokens
                             or min(Limits.default_max_tokens, args.max_tokens_limit))
-        config = read_flags(args, ServeConfig, models=((worker, plan.workers),), scheduler=read_flags(args, SchedulerConfig),
+        sched = read_flags(args, SchedulerConfig)
+        config = read_flags(args, ServeConfig, models=((worker, plan.workers),), scheduler=sched,
                             limits=limits, fault_marker=args.fault_marker,
                             idempotency_db=_store_path(args.idempotency_db, args.port, "idempotency"),
                             web=_web_config(args), jobs=_job_config(args), autoscale=_autoscale_config(args, plan.workers),
@@ -50,13 +51,32 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"tokenline serve: {err}", file=sys.stderr)
         return 2
     how = "compiled" if worker.compile else "eager"
-    print(f"tokenline: {name}: {plan.describe()}, {dtype} ({why}), {how}", flush=True)
+    print(f"tokenline: {name}: {plan.describe()}, {dtype} ({why}), {how}; {targets_text(sched.interactive)}", flush=True)
     if worker.compile and not _compiled_before():
         print("tokenline: compiling the model for this machine: a minute or two this once, later starts reuse it "
               "(--compile off starts in seconds)", flush=True)
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)
+
+
+def targets_text(interactive) -> str:
+    """The interactive latency targets in force, for the start-up line."""
+    if interactive.itl_target_s is not None:
+        itl = f"ITL {interactive.itl_target_s * 1000:g} ms"
+    elif interactive.itl_target_steps is not None:
+        itl = f"ITL {interactive.itl_target_steps:g} × the single-sequence step"
+    else:
+        itl = "no ITL target"
+    if interactive.ttft_target_s is not None:
+        ttft = f"TTFT {interactive.ttft_target_s * 1000:g} ms"
+    elif interactive.ttft_target_first_tokens is not None:
+        ttft = f"TTFT {interactive.ttft_target_first_tokens:g} × an idle first token (at least 500 ms)"
+    else:
+        ttft = "no TTFT target"
+    if itl == "no ITL target" and ttft == "no TTFT target":
+        return "interactive targets off"
+    return f"interactive targets: {itl}, {ttft}"
 
 
 def _compiled_before() -> bool:

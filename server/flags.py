@@ -32,6 +32,13 @@ SERVE_EXAMPLES = """examples:
 
 # `serve`'s own defaults where they differ from a bare config's: None is decided at start from the machine.
 WORKER_DEFAULTS = {"kv_cache_bytes": None, "threads": None, "compile": True}
+# Interactive streams are protected out of the box (issue 39): an ITL target of ITL_TARGET_STEPS times the worker's
+# own single-sequence step, as it measures it, and a TTFT target; each flag at 0 turns its target off.
+# Why these numbers: docs/scheduling.md, "Targets by default".
+ITL_TARGET_STEPS = 3.0
+TTFT_TARGET_FIRST_TOKENS = 3.0  # × an idle worker's first token of a typical interactive prompt, at least 500 ms
+SCHEDULER_DEFAULTS = {"interactive.itl_target_steps": ITL_TARGET_STEPS,
+                      "interactive.ttft_target_first_tokens": TTFT_TARGET_FIRST_TOKENS}
 WORKER_HELPS = {
     "kv_cache_bytes": "KV cache per worker in MiB (default: a share of available memory, split between workers)",
     "threads": "OpenMP threads per worker (default 1: measured, two 1-thread workers out-serve one 2-thread worker)",
@@ -62,7 +69,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="simulated engine: every step takes this long, whatever its batch (default: 2 ms + 0.2 ms "
                             "per sequence + 0.02 ms per prompt token)")
 
-    add_flags(p.add_argument_group("scheduler"), SchedulerConfig)
+    add_flags(p.add_argument_group("scheduler"), SchedulerConfig, defaults=SCHEDULER_DEFAULTS)
     add_flags(p.add_argument_group("requests"), Limits, defaults={"default_max_tokens": None})
     add_flags(p.add_argument_group("autoscaler (off unless --autoscale-max-workers)"), AutoscaleConfig,
               defaults={"min_workers": None, "max_workers": 0},

@@ -3,6 +3,7 @@
 import pytest
 
 from tokenline.bench.mixed import MixedSpec, bulk_bound, fit_prompt_cost, fit_step_curve
+from tokenline.server.flags import ITL_TARGET_STEPS
 
 
 def _log(batches, a=0.010, b=0.002, interactive=0, start=100.0, prefills=None, c=0.0):
@@ -52,7 +53,8 @@ def test_targets_are_multiples_of_the_reference_unless_given_in_ms():
 
 
 def test_a_short_mixed_run_reports_every_target_beside_the_references(tmp_path):
-    """The bench end to end, short: tokenline on the simulated engine (tiny model), no target, then one ITL target."""
+    """The bench end to end, short: tokenline on the simulated engine (tiny model), targets off, then one ITL
+    target, then tokenline's own default targets (no target flag)."""
     import json
 
     from tokenline.server.cli import main
@@ -66,7 +68,12 @@ def test_a_short_mixed_run_reports_every_target_beside_the_references(tmp_path):
     report = json.loads((tmp_path / "mixed.json").read_text())
     reference = report["servers"]["tokenline"]
     assert reference["bulk_alone_tok_s"] > 0 and reference["solo_itl_ms"] > 0
-    (run,) = report["runs"]
+    run, defaults = report["runs"]
+    assert defaults["server"] == "tokenline (defaults)" and defaults["interactive_requests"] > 0
+    assert defaults["slo"]["itl_ms"] == pytest.approx(ITL_TARGET_STEPS * reference["solo_itl_ms"])
+    logs = tmp_path / "logs"
+    assert "interactive targets off" in (logs / "tokenline-no-target.log").read_text()  # the references: off
+    assert "interactive targets: ITL 3 × the single-sequence step" in (logs / "tokenline-defaults.log").read_text()
     assert run["itl_target_steps"] == 3 and run["slo"]["itl_ms"] == pytest.approx(3 * reference["solo_itl_ms"])
     assert run["interactive_requests"] > 0
     for key in ("attain_ttft", "attain_itl", "attain_both"):
