@@ -304,7 +304,7 @@ class Scheduler:
         """Each worker's step plan for what now runs on it (engine/scheduler/planner.py); sent only when its
         limits change."""
         actions: list[Action] = []
-        for wid in model.workers:
+        for wid in model.workers + model.retiring:  # a retiring worker's paused bulk must resume, or it never idles
             w = self.workers[wid]
             plan = self.planner.plan(w, model)
             if (plan.bulk_decode, plan.prefill_tokens, plan.guard_prefill_tokens) != \

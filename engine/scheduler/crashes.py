@@ -53,10 +53,11 @@ class CrashRecovery:
         """`w` died (the scheduler has let it go): its runs go again as new attempts, or fail. The
         scheduler's dispatch round follows."""
         model = self.model_of(w.spec.model)
-        model.workers.remove(w.spec.worker_id)
+        retired = w.spec.worker_id in model.retiring  # being replaced already: nothing restarts it
+        (model.retiring if retired else model.workers).remove(w.spec.worker_id)
         actions: list[Action] = []
         alone = len(w.running) == 1
-        if w.running:  # a crash (a removed worker is idle): the supervisor restarts it
+        if w.running and not retired:  # a crash (a removed worker is idle): the supervisor restarts it
             model.replacements_due.append(now)
         suspects: list[Entry] = []
         for e in list(w.running.values()):

@@ -55,6 +55,9 @@ class WorkerView:
 class ModelState:
     queues: dict[TrafficClass, ClassQueue]
     workers: list[int] = field(default_factory=list)
+    # Workers being retired (another took their place: `retire`): out of `workers`, so they take no new work and
+    # count in no forecast, while their running sequences finish (their step plans are still composed).
+    retiring: list[int] = field(default_factory=list)
     last_spec: WorkerSpec | None = None  # the last worker that joined (what a request must fit while none runs)
     # Suspects waiting to rerun, by group: kept out of the class queues, so a group waiting for an
     # idle worker never holds up the requests queued behind it.
@@ -80,6 +83,15 @@ class ModelState:
     # on arrival, from what it made once it finishes): the prompt tokens a step must compute for
     # bulk's batch to stay full as sequences end, and what a bulk token costs beside its decode.
     bulk_prompt_per_output: float = 0.0
+
+    def retire(self, worker_id: int) -> bool:
+        """Take `worker_id` out of service without stopping what it runs: nothing new is admitted to it, and
+        once it runs nothing (Scheduler.running) its owner stops it and reports it lost. False if not serving."""
+        if worker_id not in self.workers:
+            return False
+        self.workers.remove(worker_id)
+        self.retiring.append(worker_id)
+        return True
 
     def saw_interactive_prompt(self, tokens: int) -> None:
         self.interactive_prompt_tokens += 0.2 * (tokens - self.interactive_prompt_tokens)
