@@ -214,7 +214,8 @@ async def soak(args: argparse.Namespace) -> dict:
     cluster = _ray_cluster(args.ray_nodes) if args.ray_nodes else None
     placement = ["--ray-address", cluster.address] if cluster is not None else []
     stores = (os.path.join(folder, "idempotency.sqlite3"), os.path.join(folder, "jobs.sqlite3"))
-    server = Server(["--model", args.model, "--compile", args.compile, "--workers", "2", "--threads", "1", "--standby-workers", "1",
+    # Compiled workers from the start (--serve-while-compiling off): the soak kills workers, not swaps them in.
+    server = Server(["--model", args.model, "--compile", args.compile, "--serve-while-compiling", "off", "--workers", "2", "--threads", "1", "--standby-workers", "1",
                      "--step-watchdog-s", str(args.watchdog_s), "--kv-cache-mb", "64", "--max-seqs", "16",
                      "--max-model-len", "1024", "--log-level", "INFO", "--request-log-level", "WARNING",
                      "--idempotency-db", stores[0], "--job-store", stores[1], "--job-lease-s", "3", *placement])

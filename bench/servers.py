@@ -172,6 +172,9 @@ def start_tokenline(settings: EngineSettings, log_path: Path, *, engine: str = "
            "--interactive-slots", str(settings.interactive_slots), "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size),
            "--prefill-budget", str(settings.prefill_budget), "--dtype", settings.dtype, "--log-level", "WARNING",
            "--compile", "on" if settings.compile else "off",
+           # The bench measures the steady state: every worker compiled from the first request (serving while the
+           # compiled workers are built would time eager workers, and workers compiling beside the load).
+           "--serve-while-compiling", "off",
            *(("--workers", str(settings.workers)) if settings.workers else ()),
            *(("--threads", str(settings.threads)) if settings.threads else ()), *extra_args]
     process = _launch(cmd, log_path)

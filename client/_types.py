@@ -147,7 +147,7 @@ class ModelInfo:
     dtype: str = ""  # what its workers run: dtype, attention kernel, and the self-check's verdict
     attention_kernel: str = ""
     self_check: str = ""
-    execution: str = ""  # "compiled" or "eager"
+    execution: str = ""  # "compiled", "eager", or "mixed: 1 compiled, 1 eager" while compiled workers take over
     vocab_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
     has_chat_template: bool = False

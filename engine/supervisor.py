@@ -21,6 +21,15 @@ A handle is anything with the `WorkerHandle` contract (engine/worker.py): built 
 `kill()` and `terminate(timeout)`; its callbacks may come from any thread. A local process
 and a Ray actor (engine/ray_workers.py) both fit.
 
+With `serve_while_compiling`, a model whose workers are to be compiled starts them eager (they are ready in
+seconds), then builds compiled workers one at a time, each a swap-in: once it is ready it becomes active and
+an eager worker is retired (`on_retire(worker_id)`: the caller gives it no new work), finishing its running
+sequences; once `busy()` no longer names it, it is reported lost (it holds nothing) and stopped, not
+restarted, no crash. The next compiled worker is built once it has gone (memory is planned for one extra
+worker). A worker that dies restarts compiled once the model's first compiled worker is active, eager before;
+standby workers are started (compiled) once every active worker is. A compiled worker that fails to start
+(compiling failed) leaves the model serving eagerly.
+
 With `cpu_sets` (engine/machine.py pin_sets), each active worker that is a local process is bound to
 the set fewest active workers hold, once it is ready (a new worker, a restart, a standby promoted):
 the set of a worker that died is free again for the one that takes its place.
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -45,6 +55,7 @@ from tokenline.engine.worker import WorkerHandle
 log = logging.getLogger("tokenline.runtime")
 
 WATCHDOG_CHECK_S = 0.5  # how often silent workers are looked for
+RETIRE_CHECK_S = 0.2  # how often retiring workers are looked at for being idle (a step report looks at once)
 AUTOSCALE_CHECK_S = 0.5  # how often the autoscaler reads the queues
 
 
@@ -56,7 +67,8 @@ class Supervisor:
                  busy: Callable[[], set[int]] = set, heaviest_step_s: Callable[[int], float] = lambda wid: 0.0,
                  factory: Callable[..., Any] = WorkerHandle, autoscale: AutoscaleConfig | None = None,
                  pressure: Callable[[str, float, int, dict[int, float]], Pressure] | None = None,
-                 cpu_sets: tuple[tuple[int, ...], ...] = ()):
+                 cpu_sets: tuple[tuple[int, ...], ...] = (), serve_while_compiling: bool = False,
+                 on_retire: Callable[[int], None] = lambda wid: None):
         self.loop = asyncio.get_running_loop()
         self.worker_configs = workers
         self.on_ready, self.on_lost, self.on_report, self.on_capacity = on_ready, on_lost, on_report, on_capacity
@@ -87,17 +99,37 @@ class Supervisor:
         self.cpu_set_of: dict[int, int] = {}  # worker -> index into cpu_sets, while it is active
         self._spawned_at: dict[int, float] = {}
         self.startup_s: dict[str, float] = {}  # model -> how long its last worker took from spawn to ready
+        # Serve while compiling: models started eager whose compiled workers are still to swap in.
+        self.on_retire = on_retire
+        self.swapping: set[str] = {name for name, (cfg, _) in workers.items() if serve_while_compiling and cfg.compile}
+        self.compiled_active: set[str] = set()  # models whose first compiled worker is active: restarts compile
+        self.compile_failed: dict[str, str] = {}  # model -> why its compiled worker could not start (serves eager)
+        self.swaps: collections.Counter[str] = collections.Counter()  # model -> eager workers a compiled one replaced
+        self._eager: set[int] = set()  # workers started eager in a model still swapping (active or loading)
+        self._swap_in: dict[str, int] = {}  # model -> the compiled worker being built
+        self._retirees: dict[int, float] = {}  # handed over, finishing their runs -> since when
+        self._retired: set[int] = set()  # retirees stopped once idle, until they exit
+        self._retire_timer: asyncio.TimerHandle | None = None
+        self._started_at = 0.0
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         if self.watchdog is not None:
             self._watch_timer = self.loop.call_later(WATCHDOG_CHECK_S, self._check_silence)
         if self.autoscalers:
             self._scale_timer = self.loop.call_later(AUTOSCALE_CHECK_S, self._autoscale)
-        for model, (cfg, count) in self.worker_configs.items():
+        for model, (_, count) in self.worker_configs.items():
             for _ in range(count):
-                self._spawn(model, cfg)
-            for _ in range(self.standby):
-                self._spawn(model, cfg, standby=True)
+                self._spawn(model, self._config(model))
+            if model not in self.swapping:  # else once every active worker is compiled
+                for _ in range(self.standby):
+                    self._spawn(model, self._config(model), standby=True)
+
+    def _config(self, model: str) -> WorkerConfig:
+        """What a new worker of `model` runs: eager while the model serves eagerly, waiting for its compiled workers."""
+        cfg = self.worker_configs[model][0]
+        eager = model not in self.compiled_active and (model in self.swapping or model in self.compile_failed)
+        return dataclasses.replace(cfg, compile=False) if eager and cfg.compile else cfg
 
     def send(self, worker_id: int | None, msg: object) -> None:
         """To a live worker; a message to one that is gone (or going) is dropped: its exit reports it."""
@@ -116,7 +148,7 @@ class Supervisor:
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closing = True
-        for timer in (self._watch_timer, self._scale_timer):
+        for timer in (self._watch_timer, self._scale_timer, self._retire_timer):
             if timer is not None:
                 timer.cancel()
         for h in list(self.handles.values()):
@@ -134,7 +166,7 @@ class Supervisor:
     def add_worker(self, model: str) -> int:
         """One more active worker for `model`; returns its id (it is ready when `on_ready` says so)."""
         self.target[model] += 1
-        return self._spawn(model, self.worker_configs[model][0])
+        return self._spawn(model, self._config(model))
 
     def remove_worker(self, worker_id: int) -> bool:
         """Stop an active worker for good: reported lost now (so nothing more is sent to it), then
@@ -154,8 +186,8 @@ class Supervisor:
 
     def starting(self, model: str) -> int:
         """Active workers of `model` asked for and not ready yet."""
-        return sum(1 for w, m in self._model_of.items()
-                   if m == model and w not in self.specs and w not in self._standby_ids and w not in self._retiring)
+        return sum(1 for w, m in self._model_of.items() if m == model and w not in self.specs and w not in self._standby_ids
+                   and w not in self._retiring and w not in self._retirees and w != self._swap_in.get(model))
 
     def _autoscale(self) -> None:
         if self._closing:
@@ -190,6 +222,8 @@ class Supervisor:
         self._spawned_at[wid] = time.monotonic()
         if standby:
             self._standby_ids.add(wid)
+        if model in self.swapping and not cfg.compile:
+            self._eager.add(wid)
         handle = self.factory(
             wid, cfg,
             on_message=lambda w, m: self.loop.call_soon_threadsafe(self._on_message, w, m),
@@ -204,11 +238,19 @@ class Supervisor:
             if self.watchdog is not None:
                 self.watchdog.saw_step(wid, msg.step_s, time.monotonic(), self.heaviest_step_s(wid))
             self.on_report(msg)
+            if wid in self._retirees:
+                self._stop_idle_retirees()
         elif isinstance(msg, WorkerSpec) and wid in self._standby_ids:
             self._standby_ready[msg.model][wid] = msg
             log.info("standby worker %d ready: model %s, pid %d", wid, msg.model, msg.pid)
+        elif isinstance(msg, WorkerSpec) and wid == self._swap_in.get(msg.model):
+            self._take_over(wid, msg)
         elif isinstance(msg, WorkerSpec):
             self._activate(wid, msg)
+        elif isinstance(msg, WorkerFailed) and wid in self._swap_in.values():
+            model = self._model_of.get(wid, "?")
+            self.compile_failed[model] = msg.message
+            log.error("compiled worker %d failed to start: %s; model %s keeps serving eagerly", wid, msg.message, model)
         elif isinstance(msg, WorkerFailed):
             self.start_errors[self._model_of.get(wid, "?")] = msg.message
             log.error("worker %d failed to start: %s", wid, msg.message)
@@ -233,6 +275,79 @@ class Supervisor:
                      placement.host, placement.pid)
         self.on_ready(spec)
         self.on_capacity()
+        self._next_swap(spec.model)
+
+    # ------------------------------------------------------------ serve while compiling
+
+    def _next_swap(self, model: str) -> None:
+        """Build the next compiled worker of `model`, if one is due: once its workers are up, none is being
+        built and the last one retired has gone; or say that every active worker is compiled."""
+        if model not in self.swapping or self._closing or model in self.start_errors or model in self._swap_in:
+            return
+        if any(self._model_of.get(w) == model for w in (*self._retirees, *self._retiring)):
+            return  # the worker last retired still holds its memory
+        if model in self.compile_failed or not any(self._model_of.get(w) == model for w in self._eager):
+            self.swapping.discard(model)
+            if model not in self.compile_failed:
+                log.warning("all active workers of model %s are compiled, %.1f s after start (%d swapped in)", model,
+                            time.monotonic() - self._started_at, self.swaps[model])
+            for _ in range(self.standby - sum(1 for w in self._standby_ids if self._model_of.get(w) == model)):
+                self._spawn(model, self._config(model), standby=True)
+            return
+        if self.starting(model) or not any(w in self.specs for w in self._eager if self._model_of.get(w) == model):
+            return  # serving first: an eager worker still loading comes before a compiled one
+        wid = self._spawn(model, self.worker_configs[model][0])
+        self._swap_in[model] = wid
+        log.info("building compiled worker %d of model %s to take over from an eager one", wid, model)
+
+    def _take_over(self, wid: int, spec: WorkerSpec) -> None:
+        """A compiled worker is ready: it becomes active, and an eager worker (an idle one if any) retires."""
+        model = spec.model
+        del self._swap_in[model]
+        busy = self.busy()
+        eager = sorted((w for w in self._eager if w in self.specs and self._model_of.get(w) == model),
+                       key=lambda w: (w in busy, w))
+        if not eager:  # none left to replace (the autoscaler removed it): not needed
+            log.info("compiled worker %d of model %s is not needed: no eager worker is left to replace", wid, model)
+            self._retiring.add(wid)
+            self.loop.run_in_executor(None, self.handles[wid].terminate, 10.0)
+            return
+        old = eager[0]
+        self._eager.discard(old)
+        self._retirees[old] = time.monotonic()
+        self.specs.pop(old)  # out of the active set first, so that the compiled worker takes its CPUs
+        self.cpu_set_of.pop(old, None)
+        self.on_retire(old)
+        self.compiled_active.add(model)
+        self.swaps[model] += 1
+        built = time.monotonic() - self._spawned_at.get(wid, time.monotonic())
+        self._activate(wid, spec)
+        log.warning("worker %d (compiled) took over from worker %d (eager) after %.1f s; worker %d takes no new work "
+                    "and stops once its runs finish (%s)", wid, old, built, old,
+                    "running some now" if old in busy else "idle now")
+        self._stop_idle_retirees()
+
+    def _stop_idle_retirees(self) -> None:
+        """Stop each retiring worker that runs nothing any more: reported lost (it holds no runs), then stopped."""
+        if self._retire_timer is not None:
+            self._retire_timer.cancel()
+            self._retire_timer = None
+        if self._closing:
+            return
+        busy = self.busy()
+        for wid in [w for w in self._retirees if w not in busy]:
+            since = self._retirees.pop(wid)
+            self._retiring.add(wid)
+            self._retired.add(wid)
+            self.on_lost(wid)
+            log.info("worker %d (eager) retired: stopped %.1f s after it was replaced, its runs finished", wid,
+                     time.monotonic() - since)
+            handle = self.handles.get(wid)
+            if handle is not None:
+                self.send(wid, Shutdown())
+                self.loop.run_in_executor(None, handle.terminate, 10.0)
+        if self._retirees:
+            self._retire_timer = self.loop.call_later(RETIRE_CHECK_S, self._stop_idle_retirees)
 
     def _on_exit(self, wid: int, exitcode: int | None) -> None:
         if self.watchdog is not None:
@@ -246,11 +361,32 @@ class Supervisor:
         if model is not None:
             self._standby_ready[model].pop(wid, None)
         self._idle_since.pop(wid, None)
-        if wid in self._retiring:  # the autoscaler removed it: already reported lost, not restarted
+        self._eager.discard(wid)
+        if wid in self._retiring:  # removed, or retired once idle: already reported lost, not restarted
             self._retiring.discard(wid)
-            log.info("worker %d (model %s) stopped after removal, exit code %s", wid, model, exitcode)
+            why = "retirement" if wid in self._retired else "removal"
+            self._retired.discard(wid)
+            log.info("worker %d (model %s) stopped after %s, exit code %s", wid, model, why, exitcode)
+            if model is not None:
+                self._next_swap(model)
             return
         if handle is None or self._closing:
+            return
+        if self._retirees.pop(wid, None) is not None:  # died while finishing its runs: they go on elsewhere
+            log.warning("retiring worker %d (model %s) exited with code %s before its runs finished", wid, model, exitcode)
+            self.on_lost(wid)
+            if model is not None:
+                self._next_swap(model)
+            return
+        if model is not None and self._swap_in.get(model) == wid:  # the compiled worker being built
+            del self._swap_in[model]
+            if model in self.compile_failed:
+                self._next_swap(model)  # no more: the model serves eagerly (and its standbys load)
+                return
+            log.warning("compiled worker %d (model %s) exited with code %s while loading; building another", wid,
+                        model, exitcode)
+            self.restarts += 1
+            self._next_swap(model)
             return
         log.warning("%sworker %d (model %s) exited with code %s", "standby " if was_standby else "", wid, model, exitcode)
         if not was_standby:
@@ -261,7 +397,7 @@ class Supervisor:
             self.restarts += 1
             # A promoted standby is replaced by a new standby; otherwise the worker itself restarts.
             standby = was_standby or (self.standby > 0 and len(self._standby_ids) < self.standby)
-            self._spawn(model, self.worker_configs[model][0], standby=standby and not self._needs_active(model))
+            self._spawn(model, self._config(model), standby=standby and not self._needs_active(model))
 
     def _pin(self, wid: int) -> None:
         """Bind an active local worker to the CPU set fewest active workers hold (the lowest on a tie)."""
@@ -287,8 +423,8 @@ class Supervisor:
 
     def _needs_active(self, model: str) -> bool:
         """Fewer active (or loading, non-standby) workers than configured."""
-        active = sum(1 for w, m in self._model_of.items()
-                     if m == model and w not in self._standby_ids and w not in self._retiring)
+        active = sum(1 for w, m in self._model_of.items() if m == model and w not in self._standby_ids
+                     and w not in self._retiring and w not in self._retirees and w != self._swap_in.get(model))
         return active < self.target[model]
 
     def _check_silence(self) -> None:

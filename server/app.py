@@ -68,6 +68,10 @@ class ServeConfig:
     idempotency_ttl_s: float = flag(86_400.0, "--idempotency-ttl-s", "how long results are kept (default one day)")
     idempotency_lease_s: float = flag(10.0, "--idempotency-lease-s", "with postgresql://: a keyed run of a frontend "
                                       "that died is run again by another this long after its last heartbeat")
+    serve_while_compiling: bool = flag(
+        True, "--serve-while-compiling", "with --compile on: serve at once from eager workers (ready in seconds), "
+        "then build the compiled workers one at a time, each taking over from an eager one, which finishes its "
+        "streams and stops; off: serve only once the compiled workers are ready", unit="on/off")
     standby_workers: int = flag(0, "--standby-workers", "extra workers per model that load the model and wait; one "
                                 "takes over at once when a worker dies")
     step_watchdog_s: float = flag(5.0, "--step-watchdog-s", "a worker with work in flight that reports no step for "
@@ -156,7 +160,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
               f"{len(cluster.alive_nodes())} nodes)", flush=True)
     runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers,
                       watchdog=watchdog, worker_factory=worker_factory, autoscale=config.autoscale,
-                      cpu_sets=config.worker_cpus)  # bound only where a worker is a local process
+                      cpu_sets=config.worker_cpus,  # bound only where a worker is a local process
+                      serve_while_compiling=config.serve_while_compiling)
     if config.step_log:
         from tokenline.server.steplog import StepLog
 
@@ -251,7 +256,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     status = 0
     if ready.done() and ready.result():
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-        print(f"tokenline: serving on {config.host}:{port}", flush=True)
+        print(f"tokenline: serving on {config.host}:{port}{_serving_mode(runtime)}", flush=True)
         if jobs is not None:
             jobs.start()
             print(f"tokenline: running jobs from {jobs.store.description} as {jobs.owner}", flush=True)
@@ -320,6 +325,11 @@ async def _watch_keys(auth: Authenticator, runtime: Runtime, base: SchedulerConf
         sched = runtime.scheduler
         # Quotas of tenants no longer in the file fall back to the configured ones.
         sched.config = replace(sched.config, tenants={**base.tenants, **auth.quotas()})
+
+
+def _serving_mode(runtime: Runtime) -> str:
+    """What the start-up line adds while the compiled workers are still being built (serve while compiling)."""
+    return " (eager; compiled workers swap in as they are built)" if runtime.workers.swapping else ""
 
 
 async def _await_ready(runtime: Runtime, served: dict[str, ServedModel], timeout: float) -> bool:

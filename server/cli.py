@@ -31,7 +31,7 @@ def run_serve(args: argparse.Namespace) -> int:
         dtype, why = choose_dtype(args.dtype, gpus=machine.gpus)
         plan = plan_workers(machine, workers=workers, threads=args.threads,
                             kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
-                            standby=args.standby_workers, kv_bytes_per_token=kv_bytes_per_token(path, dtype),
+                            standby=args.standby_workers + _swap_slot(args), kv_bytes_per_token=kv_bytes_per_token(path, dtype),
                             max_seqs=args.max_seqs + args.interactive_slots, max_model_len=args.max_model_len,
                             pin=args.pin_workers == "on" and not args.ray_address)
         # Every config is read back from its own flags by field name (engine/flagspec.py); what is given here
@@ -55,6 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if worker.compile and not _compiled_before():
         print("tokenline: compiling the model for this machine: a minute or two this once, later starts reuse it "
               "(--compile off starts in seconds)", flush=True)
+    _say_serving_while_compiling(config)
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)
@@ -77,6 +78,18 @@ def targets_text(interactive) -> str:
     if itl == "no ITL target" and ttft == "no TTFT target":
         return "interactive targets off"
     return f"interactive targets: {itl}, {ttft}"
+
+
+def _swap_slot(args: argparse.Namespace) -> int:
+    """Serve while compiling runs one worker more than planned while a compiled worker is built to take over
+    from an eager one: its memory is planned as a standby's."""
+    return int(args.serve_while_compiling == "on" and args.compile == "on" and args.engine == "vllm")
+
+
+def _say_serving_while_compiling(config) -> None:
+    if config.serve_while_compiling and any(w.compile for w, _ in config.models):
+        print("tokenline: serving from eager workers first; compiled workers are built one at a time and take over "
+              "(--serve-while-compiling off waits for them)", flush=True)
 
 
 def _compiled_before() -> bool:

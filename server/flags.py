@@ -65,6 +65,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                             "autogroup on, other sessions' processes starved for seconds; never for Ray workers); "
                             "off: the OS places them (default %(default)s)")
     add_flags(model, WorkerConfig, defaults=WORKER_DEFAULTS, helps=WORKER_HELPS)
+    add_flags(model, ServeConfig, only=("serve_while_compiling",))
     model.add_argument("--sim-step-ms", type=float, default=None,
                        help="simulated engine: every step takes this long, whatever its batch (default: 2 ms + 0.2 ms "
                             "per sequence + 0.02 ms per prompt token)")

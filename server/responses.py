@@ -4,6 +4,7 @@ results, model info). Pure functions over the request's state; the checks on the
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -135,12 +136,21 @@ def model_info(model: ServedModel, specs: list[WorkerSpec], limits: Limits) -> p
                         dtype=first.dtype if first else "",
                         attention_kernel=first.attention_kernel if first else "",
                         self_check=first.self_check if first else "",
-                        execution=first.execution if first else "",
+                        execution=execution_of(specs),
                         vocab_size=model.vocab_size, eos_token_ids=model.eos_token_ids,
                         has_chat_template=model.has_chat_template, chat_template=model.chat_template,
                         default_max_tokens=min(limits.default_max_tokens, model.max_context - 1),
                         max_tokens_limit=limits.max_tokens, max_prompt_tokens=max_prompt_tokens(model, limits),
                         structured_output_formats=STRUCTURED_FORMATS)
+
+
+def execution_of(specs: list[WorkerSpec]) -> str:
+    """How the workers run the model: "compiled", "eager", or, while compiled workers take over from eager ones
+    (--serve-while-compiling), "mixed: 1 compiled, 1 eager"."""
+    kinds = collections.Counter(s.execution for s in specs)
+    if len(kinds) <= 1:
+        return next(iter(kinds), "")
+    return "mixed: " + ", ".join(f"{n} {kind or 'unknown'}" for kind, n in sorted(kinds.items()))
 
 
 # ------------------------------------------------------------- tokenizer RPCs

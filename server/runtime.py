@@ -53,7 +53,8 @@ class Runtime:
     def __init__(self, scheduler_config: SchedulerConfig, workers: dict[str, tuple[WorkerConfig, int]],
                  *, restart_workers: bool = True, quarantine_s: float = 600.0, standby: int = 0,
                  watchdog: StepWatchdog | None = None, worker_factory: Callable[..., WorkerHandle] = WorkerHandle,
-                 autoscale: AutoscaleConfig | None = None, cpu_sets: tuple[tuple[int, ...], ...] = ()):
+                 autoscale: AutoscaleConfig | None = None, cpu_sets: tuple[tuple[int, ...], ...] = (),
+                 serve_while_compiling: bool = False):
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
@@ -73,6 +74,7 @@ class Runtime:
                                   on_capacity=self._capacity_changed, restart=restart_workers, standby=standby,
                                   watchdog=watchdog, busy=self._busy_workers, heaviest_step_s=self._heaviest_step_s,
                                   factory=worker_factory, autoscale=autoscale, cpu_sets=cpu_sets,
+                                  serve_while_compiling=serve_while_compiling, on_retire=self._worker_retiring,
                                   pressure=lambda model, now, starting, idle: read_pressure(
                                       self.scheduler, model, now, starting=starting, idle_since=idle))
 
@@ -101,6 +103,13 @@ class Runtime:
 
     def _worker_lost(self, wid: int) -> None:
         self._handle(self.scheduler.worker_lost(wid))
+
+    def _worker_retiring(self, wid: int) -> None:
+        """Another worker took its place: it takes no new work, and once it runs nothing (`_busy_workers`) the
+        supervisor stops it."""
+        view = self.scheduler.workers.get(wid)
+        if view is not None:
+            self.scheduler.models[view.spec.model].retire(wid)
 
     def _busy_workers(self) -> set[int]:
         return {wid for wid in self.scheduler.workers if self.scheduler.running(wid)}

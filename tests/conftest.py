@@ -44,7 +44,9 @@ def tiny_server():
 @pytest.fixture(scope="session")
 def default_server():
     """The real default model, prepared the way `make run` prepares it."""
-    server = ServerProcess("--kv-cache-mb", "256", "--max-seqs", "8", "--compile", "on").start(timeout=600)
+    # Compiled from its first request, as test_default_model.py asserts (not served eagerly while compiling).
+    server = ServerProcess("--kv-cache-mb", "256", "--max-seqs", "8", "--compile", "on",
+                           "--serve-while-compiling", "off").start(timeout=600)
     yield server
     server.stop()
 

@@ -21,7 +21,8 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def compiled_server():
-    server = ServerProcess(*ARGS, "--compile", "on").start(timeout=600)
+    # Compiled from the first request (not served eagerly while compiling: test_serve_while_compiling.py).
+    server = ServerProcess(*ARGS, "--compile", "on", "--serve-while-compiling", "off").start(timeout=600)
     yield server
     server.stop()
 
@@ -55,7 +56,8 @@ def test_a_worker_run_eagerly_says_so():
 def test_a_worker_that_cannot_compile_refuses_to_start_and_says_to_run_eagerly(tmp_path):
     # A machine without a working C++ compiler: TorchInductor cannot build the compiled kernels (a
     # fresh cache, so none are found ready-made).
-    code, out = ServerProcess(*ARGS, "--compile", "on",
+    # (With --serve-while-compiling on, the default, the model would serve from eager workers: tests/test_supervisor_swaps.py.)
+    code, out = ServerProcess(*ARGS, "--compile", "on", "--serve-while-compiling", "off",
                               env={"CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}).start_refused()
 
     assert code == 1, out
