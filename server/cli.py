@@ -63,21 +63,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def targets_text(interactive) -> str:
     """The interactive latency targets in force, for the start-up line."""
-    if interactive.itl_target_s is not None:
-        itl = f"ITL {interactive.itl_target_s * 1000:g} ms"
-    elif interactive.itl_target_steps is not None:
-        itl = f"ITL {interactive.itl_target_steps:g} × the single-sequence step"
-    else:
-        itl = "no ITL target"
-    if interactive.ttft_target_s is not None:
-        ttft = f"TTFT {interactive.ttft_target_s * 1000:g} ms"
-    elif interactive.ttft_target_first_tokens is not None:
-        ttft = f"TTFT {interactive.ttft_target_first_tokens:g} × an idle first token (at least 500 ms)"
-    else:
-        ttft = "no TTFT target"
-    if itl == "no ITL target" and ttft == "no TTFT target":
+    itl = _target("ITL", interactive.itl_target_s, interactive.itl_target_steps, "the single-sequence step")
+    ttft = _target("TTFT", interactive.ttft_target_s, interactive.ttft_target_first_tokens,
+                   "an idle first token (at least 500 ms)")
+    if itl is None and ttft is None:
         return "interactive targets off"
-    return f"interactive targets: {itl}, {ttft}"
+    return f"interactive targets: {itl or 'no ITL target'}, {ttft or 'no TTFT target'}"
+
+
+def _target(name: str, seconds: float | None, multiple: float | None, of: str) -> str | None:
+    """A target as given in seconds, or as a multiple of what the worker measures; None: none."""
+    if seconds is not None:
+        return f"{name} {seconds * 1000:g} ms"
+    return f"{name} {multiple:g} × {of}" if multiple is not None else None
 
 
 def _swap_slot(args: argparse.Namespace) -> int:
