@@ -7,7 +7,8 @@ what keeps each one's mean time per token at the set point), in this order:
   1. every interactive sequence decodes;
   2. interactive prompts still owed prefill: whole, beside only `min_bulk` bulk sequences, when no
      interactive stream is decoding yet (no one's ITL is at stake, and the step that gives their
-     first token is as short as it can be), otherwise as much as fits (at least a chunk);
+     first token is as short as it can be), otherwise as much as fits (at least a chunk, and at least what
+     keeps each owed prompt's first token within the TTFT target: planner.py `prefill_due`);
   3. as many bulk sequences decode as fit, never fewer than `min_bulk`, so bulk never starves (a
      bulk throughput goal is kept by admitting fewer interactive streams: `bulk_rate_beside`);
   4. prompt tokens (bulk's new prompts) fill what is left.
@@ -44,6 +45,7 @@ class WorkerLoad:
     bulk: int  # bulk sequences decoding (a bulk prompt still owed is prefill, planned in step 4)
     interactive_decoding: int | None = None  # of `interactive`, those past their prompt (None: all of them)
     bulk_prefilling: int = 0  # bulk sequences running whose prompt is still owed
+    interactive_prefill_due: int = 0  # of `interactive_prefill`, what this step must compute to keep TTFT targets
 
 
 def step_line(estimator: StepEstimator, single_step_s: float | None, batch: int,
@@ -125,7 +127,7 @@ def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float
     decoding = load.interactive if load.interactive_decoding is None else load.interactive_decoding
     whole = decoding == 0  # no interactive stream waits for a next token: its prompts go in whole
     if c > 0 and not whole:
-        interactive_prefill = min(interactive_prefill, max(_fit(room, c), MIN_PREFILL_CHUNK))
+        interactive_prefill = min(interactive_prefill, max(_fit(room, c), MIN_PREFILL_CHUNK, load.interactive_prefill_due))
     if not whole:
         room -= c * interactive_prefill
     if whole:  # someone's first token, and no one waits on this step for a next one: only the bulk that never starves

@@ -8,6 +8,8 @@ stream has. core.py asks it; it changes nothing but the plans it returns.
 
 from __future__ import annotations
 
+import math
+
 from tokenline.engine.scheduler.composition import (WorkerLoad, bulk_rate_beside, compose_step, longest_step,
                                                     stream_allowance)
 from tokenline.engine.scheduler.config import SchedulerConfig
@@ -28,7 +30,8 @@ class StepPlanner:
                           interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
                           bulk=bulk_decoding,
                           interactive_decoding=sum(1 for e in interactive if e.prefilled),
-                          bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding)
+                          bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding,
+                          interactive_prefill_due=self.prefill_due(w, model, interactive))
         pace, single = w.pace, w.pace.single()
         # `share` only sizes the TTFT guard (share × TTFT target), by its own set point: the ITL steps follow the
         # step budget.
@@ -73,6 +76,41 @@ class StepPlanner:
         idle_first_token_s = pace.single() + pace.line(1)[2] * model.interactive_prompt_tokens
         return self.config.interactive.ttft_target_for(idle_first_token_s, self.config.ttft_target_floor_s)
 
+    def prefill_due(self, w: WorkerView, model: ModelState, interactive: list[Entry]) -> int:
+        """Prompt tokens the worker's next step must compute so that each interactive prompt it owes still
+        gets its first token within the TTFT target (at the guard's set point): each prompt's share of the
+        steps left before then, the whole of it when one step or none is left. The ITL target chunks owed
+        prompts to keep running streams' pace; it may not chunk one so thin that its own first token comes
+        late (measured: with only the minimum chunk, an all-interactive flood's later prompts took 16 tokens
+        a step, their first tokens came a minute late and the batch drained). A prompt's progress is not
+        reported, so its whole length counts as owed until its first token: the chunk only errs larger."""
+        target = self.ttft_target(w, model)
+        owed = [e for e in interactive if not e.prefilled]
+        if target is None or not owed:
+            return 0
+        pace = w.pace
+        step_s = max(pace.cadence.step_s(len(w.running)), 1e-6)
+        due = 0
+        for e in owed:
+            tokens = e.prompt_tokens + e.generated
+            steps = math.floor((e.arrival + self.config.ttft_set_point * target - pace.last_report_at) / step_s)
+            due += tokens if steps <= 1 else math.ceil(tokens / steps)
+        return due
+
+    def admits_late(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> bool:
+        """Has interactive `e` waited for ITL room as long as its TTFT target allows? Then it goes in anyway
+        (the running streams' steps slow down; its first token does not wait on theirs for ever). The last
+        moment: a step of everything running, it too, and its whole prompt still ends within the target at
+        the guard's set point. Under an all-interactive flood the ITL target would otherwise cap the batch
+        and queue the rest without bound; a bulk flood is still paused for interactive first."""
+        target = self.ttft_target(w, model)
+        if e.cls != TrafficClass.INTERACTIVE or target is None:
+            return False
+        batch = len(w.running) + 1
+        a, b, c = w.pace.line(batch)
+        own = a + b * batch + c * (e.prompt_tokens + e.generated)
+        return now >= e.arrival + self.config.ttft_set_point * target - own
+
     def bulk_goal_per_worker(self, model: ModelState) -> float | None:
         """Each worker's part of bulk's throughput goal: the model's goal shared evenly by its workers."""
         goal = self.config.bulk.throughput_goal_tok_s
@@ -89,7 +127,7 @@ class StepPlanner:
             target = tightest if target is None else min(target, tightest)
         return target
 
-    def keeps_itl_target(self, e: Entry, w: WorkerView, model: ModelState) -> bool:
+    def keeps_itl_target(self, e: Entry, w: WorkerView, model: ModelState, now: float | None = None) -> bool:
         """Can the worker's steps still be composed within the ITL target with `e` decoding too, and
         still leave bulk its throughput goal?
 
@@ -97,7 +135,8 @@ class StepPlanner:
         only them (and the one bulk sequence that never starves) is slower than the target, and every
         stream on the worker would miss it; and each one more leaves less of a step for bulk. Beyond
         that, a newcomer waits in the queue for one to end (its TTFT pays, not the running streams'
-        ITL, nor bulk's goal); the first is always let in."""
+        ITL, nor bulk's goal); the first is always let in, and one that has waited as long as its TTFT target
+        allows (`admits_late`, given `now`)."""
         interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]  # this round's admissions too
         if not interactive:
             return True
@@ -108,7 +147,7 @@ class StepPlanner:
         a, b, c = w.pace.line(len(w.running))
         streams = len(interactive) + 1
         planned = self.config.itl_set_point * target
-        if a + b * (streams + min(self.config.min_bulk_decode, bulk)) > planned:
-            return False
         goal = self.bulk_goal_per_worker(model)
-        return goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal
+        keeps = (a + b * (streams + min(self.config.min_bulk_decode, bulk)) <= planned
+                 and (goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal))
+        return keeps or (now is not None and self.admits_late(e, w, model, now))

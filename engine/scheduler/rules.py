@@ -99,7 +99,7 @@ class DispatchRules:
         reserve = self.bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else w.held_for_interactive()
         if budget.slots - 1 < reserve or not budget.fits(e):
             return False
-        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model):
+        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model, now):
             return False
         # One more sequence must not slow running requests past their deadlines.
         return self.admission.keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
