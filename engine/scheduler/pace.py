@@ -19,6 +19,8 @@ from tokenline.engine.types import StepPlan, StepReport
 
 # One step's period over its prediction, as learnt into `step_ratio` (a stall says little).
 STEP_RATIO_MIN, STEP_RATIO_MAX = 0.5, 2.0
+# How far one single-sequence step period moves `single_step_s`: one below it, and one above.
+SINGLE_FALL, SINGLE_RISE = 0.3, 0.005
 
 
 @dataclass
@@ -26,7 +28,10 @@ class WorkerPace:
     estimator: StepEstimator  # the engine's step time
     # Its step period as its streams see it (report to report while busy): what step composition plans by.
     cadence: StepEstimator = field(default_factory=lambda: StepEstimator(0.05))
-    single_step_s: float | None = None  # its measured period with one sequence decoding (a moving average)
+    # Its measured period with one sequence decoding: a moving average that falls fast and rises slowly, so it sits
+    # at the fast end of their noise (±8 % here) — what a stream alone gets — rather than at their mean; it still
+    # follows a worker that really slowed, over a few hundred steps. ITL targets are multiples of it.
+    single_step_s: float | None = None
     # Its cost per prompt token, measured on steps that computed at least PREFILL_SAMPLE_TOKENS of
     # them (a moving average): the floor under the fitted one when steps are planned.
     prefill_token_s: float | None = None
@@ -58,7 +63,7 @@ class WorkerPace:
             period = max(now - max(self.last_report_at, self.woke_at), report.step_s)
             self.cadence.observe(report.batch_size, report.prefill_tokens, period)
             if report.batch_size == 1 and not report.prefill_tokens:
-                self.single_step_s = period if self.single_step_s is None else 0.9 * self.single_step_s + 0.1 * period
+                self.single_step_s = self._single_after(period)
             if report.prefill_tokens >= PREFILL_SAMPLE_TOKENS:  # enough prompt in it to tell its cost from noise
                 a, b, _ = step_line(self.cadence, self.single_step_s, report.batch_size)
                 per_token = max(period - (a + b * report.batch_size), 0.0) / report.prefill_tokens
@@ -72,6 +77,12 @@ class WorkerPace:
         self.last_report_at = now
         self.under_way_step_s = plan.predicted_step_s
         self.estimator.observe(report.batch_size, report.prefill_tokens, report.step_s)
+
+    def _single_after(self, period: float) -> float:
+        if self.single_step_s is None:
+            return period
+        weight = SINGLE_FALL if period < self.single_step_s else SINGLE_RISE
+        return (1.0 - weight) * self.single_step_s + weight * period
 
     def single(self) -> float:
         """Its period with one sequence decoding: measured, or the planning line's at batch 1 until then."""
