@@ -12,10 +12,12 @@ from tokenline.engine.flagspec import read_flags
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.server.convert import Limits
 from tokenline.server.flags import add_serve_parser
+from tokenline.server.model_flags import model_flags
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tokenline.engine.machine import choose_dtype, kv_bytes_per_token, plan_workers, read_machine
+    from tokenline.engine.machine import choose_dtype, kv_bytes_per_token, read_machine
+    from tokenline.engine.model_plan import ModelAsk, describe_models, plan_models
     from tokenline.engine.models import ModelPrepError, resolve_model
     from tokenline.server.app import ServeConfig, run
     from tokenline.server.telemetry import TelemetryConfig
@@ -24,34 +26,41 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure(args.log_level)  # one line per record, whatever callers put in ids and prompts
     try:
-        path = resolve_model(args.model)
-        name = args.model_name or path.name
+        asked = model_flags(args.model, args.model_name, args.model_workers)
+        paths = [resolve_model(m.model) for m in asked]
+        names = [m.name or path.name for m, path in zip(asked, paths)]
         workers = args.workers if args.workers is not None or not args.ray_address else _ray_workers(args)
         machine = read_machine()
         dtype, why = choose_dtype(args.dtype, gpus=machine.gpus)
-        plan = plan_workers(machine, workers=workers, threads=args.threads,
+        plans = plan_models(machine, [ModelAsk(name, kv_bytes_per_token(path, dtype), m.workers)
+                                      for m, name, path in zip(asked, names, paths)],
+                            workers=workers, threads=args.threads,
                             kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
-                            standby=args.standby_workers + _swap_slot(args), kv_bytes_per_token=kv_bytes_per_token(path, dtype),
-                            max_seqs=args.max_seqs + args.interactive_slots, max_model_len=args.max_model_len,
-                            pin=args.pin_workers == "on" and not args.ray_address)
+                            standby=args.standby_workers + _swap_slot(args), max_seqs=args.max_seqs + args.interactive_slots,
+                            max_model_len=args.max_model_len, pin=args.pin_workers == "on" and not args.ray_address)
         # Every config is read back from its own flags by field name (engine/flagspec.py); what is given here
         # is decided at start: the model's path and name, sizes from the machine's plan, the dtype, the stores.
-        worker = read_flags(args, WorkerConfig, model_path=str(path), model_name=name, kv_cache_bytes=plan.kv_cache_bytes,
-                            threads=plan.threads, dtype=dtype, compile=args.compile == "on" and args.engine == "vllm",
-                            **_sim_costs(args))
+        served = tuple((read_flags(args, WorkerConfig, model_path=str(path), model_name=name,
+                                   kv_cache_bytes=plan.kv_cache_bytes, threads=plan.threads, dtype=dtype,
+                                   compile=args.compile == "on" and args.engine == "vllm", **_sim_costs(args)),
+                        plan.workers) for name, path, plan in zip(names, paths, plans))
+        worker = served[0][0]
         limits = read_flags(args, Limits, default_max_tokens=args.default_max_tokens
                             or min(Limits.default_max_tokens, args.max_tokens_limit))
         sched = read_flags(args, SchedulerConfig)
-        config = read_flags(args, ServeConfig, models=((worker, plan.workers),), scheduler=sched,
+        config = read_flags(args, ServeConfig, models=served, scheduler=sched,
                             limits=limits, fault_marker=args.fault_marker,
                             idempotency_db=_store_path(args.idempotency_db, args.port, "idempotency"),
-                            web=_web_config(args), jobs=_job_config(args), autoscale=_autoscale_config(args, plan.workers),
-                            worker_cpus=plan.cpu_sets, telemetry=read_flags(args, TelemetryConfig, metrics_host=args.host))
+                            web=_web_config(args), jobs=_job_config(args),
+                            autoscale=_autoscale_config(args, plans),
+                            worker_cpus=tuple(cpus for plan in plans for cpus in plan.cpu_sets),
+                            telemetry=read_flags(args, TelemetryConfig, metrics_host=args.host))
     except (ValueError, ModelPrepError) as err:
         print(f"tokenline serve: {err}", file=sys.stderr)
         return 2
+    plan_text = f"{names[0]}: {plans[0].describe()}" if len(plans) == 1 else describe_models(names, plans)
     how = "compiled" if worker.compile else "eager"
-    print(f"tokenline: {name}: {plan.describe()}, {dtype} ({why}), {how}; {targets_text(sched.interactive)}", flush=True)
+    print(f"tokenline: {plan_text}, {dtype} ({why}), {how}; {targets_text(sched.interactive)}", flush=True)
     if worker.compile and not _compiled_before():
         print("tokenline: compiling the model for this machine: a minute or two this once, later starts reuse it "
               "(--compile off starts in seconds)", flush=True)
@@ -98,13 +107,17 @@ def _compiled_before() -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
 
-def _autoscale_config(args: argparse.Namespace, workers: int):
+def _autoscale_config(args: argparse.Namespace, plans: list):
     if not args.autoscale_max_workers:
         if args.warm_workers:
             raise ValueError("--warm-workers needs the autoscaler: give --autoscale-max-workers")
         return None
     from tokenline.engine.autoscale import AutoscaleConfig
 
+    if len(plans) > 1:
+        raise ValueError("the autoscaler sizes one model's workers: with several models, give each its workers "
+                         "(--model-workers NAME=N) and leave --autoscale-max-workers out")
+    workers = plans[0].workers
     minimum = workers if args.autoscale_min_workers is None else args.autoscale_min_workers
     if args.autoscale_max_workers < max(minimum, 1):
         raise ValueError(f"--autoscale-max-workers ({args.autoscale_max_workers}) must be at least the minimum "

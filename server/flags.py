@@ -55,11 +55,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     server.add_argument("--log-level", default="INFO", help="log level (default %(default)s)")
 
     model = p.add_argument_group("model and workers")
-    model.add_argument("--model", default=None, help="model: SmolLM2-135M-Instruct (default), 'tiny', 'tiny-trained', "
-                                                     "or a model folder")
+    model.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                       help="model: SmolLM2-135M-Instruct (default), 'tiny', 'tiny-trained', or a model folder; repeat "
+                            "it to serve several, each on workers of its own, callers choosing by NAME (default: "
+                            "the folder's name)")
     model.add_argument("--model-name", default=None, help="name callers use for the model (default: derived)")
     model.add_argument("--workers", type=int, default=None,
-                       help="worker processes for the model (default: one per usable CPU, or per GPU)")
+                       help="worker processes, all models together (default: one per usable CPU, or per GPU; split "
+                            "evenly between models without --model-workers)")
+    model.add_argument("--model-workers", action="append", default=None, metavar="NAME=N",
+                       help="worker processes of one model given by --model NAME=MODEL (repeatable)")
     model.add_argument("--pin-workers", choices=("on", "off"), default="off",
                        help="on: when the workers' threads fill the usable CPUs exactly, bind each worker to CPUs of "
                             "its own (measured ~4 %% more output tok/s at saturation on 2 cores, but on Linux with "

@@ -1,0 +1,63 @@
+"""`--model` and `--model-workers`: which models a server serves, by what names, on how many workers (issue 34).
+
+`--model MODEL` once serves one model under its derived name (or `--model-name`); repeated, each is
+`NAME=MODEL` or `MODEL` (named after its folder), and every model runs on workers of its own
+(engine/model_plan.py splits the machine). `--model-workers NAME=N` gives one model its own count.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class ModelFlag:
+    name: str | None  # None: derived from the model's folder
+    model: str | None  # what resolve_model takes: a built-in name, a folder; None: the default model
+    workers: int | None = None
+
+
+def model_flags(models: list[str] | None, model_name: str | None, model_workers: list[str] | None) -> list[ModelFlag]:
+    """The models asked for, in order; ValueError with what to fix."""
+    given = models or [None]
+    if model_name is not None and len(given) > 1:
+        raise ValueError("--model-name names the one model; with several, name each: --model NAME=MODEL")
+    flags = []
+    for value in given:
+        name, model = model_name, value
+        if value is not None and "=" in value:
+            name, model = value.split("=", 1)
+            if not model:
+                raise ValueError(f"--model {value!r}: say which model after '=' (NAME=MODEL)")
+        if name is not None and not NAME.match(name):
+            raise ValueError(f"model name {name!r}: use letters, digits, '.', '_', ':' or '-' (at most 128, "
+                             "starting with a letter or digit)")
+        flags.append(ModelFlag(name, model))
+    counts = _counts(model_workers or [])
+    if counts:
+        if len(flags) == 1 and flags[0].name is None:
+            raise ValueError("--model-workers names a model: give it a name (--model NAME=MODEL), or use --workers")
+        names = {f.name for f in flags}
+        unknown = sorted(set(counts) - names)
+        if unknown:
+            raise ValueError(f"--model-workers names {', '.join(map(repr, unknown))}, not a model given by --model "
+                             f"NAME=MODEL (models: {', '.join(sorted(n for n in names if n))})")
+        flags = [ModelFlag(f.name, f.model, counts.get(f.name)) for f in flags]
+    return flags
+
+
+def _counts(values: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        name, _, n = value.partition("=")
+        try:
+            count = int(n)
+        except ValueError:
+            count = 0
+        if not name or count < 1:
+            raise ValueError(f"--model-workers {value!r}: give NAME=N with N at least 1")
+        counts[name] = count
+    return counts

@@ -1,0 +1,80 @@
+"""Several models on one machine (issue 34): the split of workers, CPUs and KV, and the flags that ask for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenline.engine.config import MiB
+from tokenline.engine.machine import GiB, Machine, plan_workers
+from tokenline.engine.model_plan import ModelAsk, describe_models, plan_models
+from tokenline.server.model_flags import ModelFlag, model_flags
+
+BOX = Machine(cpus=4, available_bytes=24 * GiB, cpu_ids=(0, 1, 2, 3))
+
+
+def test_one_model_is_planned_as_before():
+    assert plan_models(BOX, [ModelAsk("m", 1024)]) == [plan_workers(BOX, kv_bytes_per_token=1024)]
+
+
+def test_models_without_counts_share_the_machines_workers_evenly_and_each_gets_one_at_least():
+    assert [p.workers for p in plan_models(BOX, [ModelAsk("a"), ModelAsk("b")])] == [2, 2]
+    assert [p.workers for p in plan_models(BOX, [ModelAsk("a"), ModelAsk("b"), ModelAsk("c")])] == [2, 1, 1]
+    assert [p.workers for p in plan_models(BOX, [ModelAsk(n) for n in "abcdef"])] == [1] * 6  # more models than CPUs
+    assert [p.workers for p in plan_models(BOX, [ModelAsk("a"), ModelAsk("b")], workers=6)] == [3, 3]
+
+
+def test_a_model_given_its_own_count_keeps_it_and_the_others_share_the_rest():
+    plans = plan_models(BOX, [ModelAsk("big", workers=3), ModelAsk("small")])
+    assert [p.workers for p in plans] == [3, 1]
+    assert [p.workers for p in plan_models(BOX, [ModelAsk("a", workers=1), ModelAsk("b", workers=1)])] == [1, 1]
+
+
+def test_every_worker_gets_the_same_kv_share_capped_by_what_its_own_model_can_use():
+    plans = plan_models(BOX, [ModelAsk("large", kv_bytes_per_token=64 * 1024), ModelAsk("tiny", kv_bytes_per_token=1024)],
+                        max_seqs=8, max_model_len=1024)
+    one = plan_workers(BOX, workers=4)  # four worker processes, whatever model they run
+    assert plans[0].kv_cache_bytes == min(one.kv_cache_bytes, 64 * 1024 * 8 * 1024)
+    assert plans[1].kv_cache_bytes == max(1024 * 8 * 1024 // MiB * MiB, 64 * MiB)  # the tiny model needs little
+    assert sum(p.kv_share for p in plans) <= 0.5
+
+
+def test_pinned_models_get_cpu_sets_of_their_own_in_order():
+    plans = plan_models(BOX, [ModelAsk("a", workers=3), ModelAsk("b", workers=1)], pin=True)
+    assert [p.cpu_sets for p in plans] == [((0,), (1,), (2,)), ((3,),)]
+
+
+def test_the_start_up_line_says_each_models_share():
+    plans = plan_models(BOX, [ModelAsk("chat", workers=3), ModelAsk("summarize")])
+    line = describe_models(["chat", "summarize"], plans)
+    assert line.startswith("2 models — chat: 3 workers × 1 thread, KV ")
+    assert "; summarize: 1 worker × 1 thread, KV " in line and "4 CPUs" in line
+
+
+@pytest.mark.parametrize("asks, message", [
+    ([ModelAsk("a"), ModelAsk("a")], "two models have the same name: a"),
+    ([ModelAsk("a", workers=0), ModelAsk("b")], "model 'a': workers must be at least 1"),
+])
+def test_a_bad_split_is_refused_with_what_to_fix(asks, message):
+    with pytest.raises(ValueError, match=message):
+        plan_models(BOX, asks)
+
+
+def test_model_flags_name_each_model_and_give_counts_by_name():
+    assert model_flags(None, None, None) == [ModelFlag(None, None)]  # the default model
+    assert model_flags(["tiny"], "chat", None) == [ModelFlag("chat", "tiny")]
+    assert model_flags(["chat=tiny", "/models/smol"], None, ["chat=2"]) == [ModelFlag("chat", "tiny", 2),
+                                                                             ModelFlag(None, "/models/smol")]
+
+
+@pytest.mark.parametrize("models, name, counts, message", [
+    (["a=tiny", "b=tiny"], "x", None, "--model-name names the one model"),
+    (["=tiny"], None, None, "model name ''"),
+    (["a="], None, None, "say which model after '='"),
+    (["a b=tiny"], None, None, "model name 'a b'"),
+    (["a=tiny"], None, ["b=1"], "--model-workers names 'b', not a model"),
+    (["a=tiny"], None, ["a=0"], "give NAME=N with N at least 1"),
+    (["tiny"], None, ["tiny=1"], "give it a name"),
+])
+def test_bad_model_flags_are_refused_with_what_to_fix(models, name, counts, message):
+    with pytest.raises(ValueError, match=message):
+        model_flags(models, name, counts)
