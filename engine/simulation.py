@@ -46,6 +46,7 @@ class SimRequest:
     must_complete: bool = False
     stops_after: int | None = None  # the model ends it on its own (eos) after this many tokens; None: at max_tokens
     itl_target_s: float | None = None  # interactive: its own inter-token latency target (None: the class's)
+    group: str | None = None  # one call's n samples share this (Entry.group: they prefer one worker)
 
 
 @dataclass
@@ -204,7 +205,7 @@ class Simulation:
         self._stops_after[r.key] = r.stops_after
         entry = Entry(key=r.key, model=next(iter(self.workers.values())).spec.model, tenant=r.tenant, cls=r.cls,
                       prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens, arrival=r.arrival, deadline=r.deadline,
-                      must_complete_by_deadline=r.must_complete, itl_target_s=r.itl_target_s)
+                      must_complete_by_deadline=r.must_complete, itl_target_s=r.itl_target_s, group=r.group)
         self._handle(self.scheduler.submit(entry))
 
     def _arm_timer(self) -> None:

@@ -260,8 +260,9 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                              f"{limit}", retry_after_s=1.0)
 
     def _run(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float, tenant: str,
-             valid: convert.ValidRequest, key: str) -> _Call:
-        """Submit a new run; raises a ServingError when it is refused at once."""
+             valid: convert.ValidRequest, key: str, group: str | None = None) -> _Call:
+        """Submit a new run; raises a ServingError when it is refused at once. `group`: n > 1, the call's key,
+        shared by its samples (they prefer one worker: engine/scheduler/placement.py)."""
         now = time.monotonic()
         deadline = _deadline(context, valid.deadline_unix_ms, now)
         if deadline is not None and deadline <= now:
@@ -275,7 +276,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                              model=valid.model.name, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
                              timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key,
                              must_complete_by_deadline=request.require_completion_by_deadline,
-                             itl_target_s=convert.itl_target(request, valid.cls))
+                             itl_target_s=convert.itl_target(request, valid.cls), group=group)
         mailbox = state.subscribe()
         self.runtime.submit(state)
         return _Call(state=state, mailbox=mailbox, owner=True)
@@ -284,15 +285,17 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
     def _run_samples(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, received: float,
                      tenant: str, valid: convert.ValidRequest) -> _Call:
         """n > 1: n runs of the one prompt, submitted together so that their prompts share the prefix
-        cache's blocks; sample i is seeded seed + i, as vLLM seeds its n children. All or none."""
+        cache's blocks, on one worker while it has room (the scheduler places a call's samples together:
+        engine/scheduler/placement.py); sample i is seeded seed + i, as vLLM seeds its n children. All or none."""
         request_id = valid.request_id or uuid.uuid4().hex
+        group = str(RequestKey(tenant, request_id))
         samples: list[tuple[RequestState, asyncio.Queue]] = []
         try:
             for i in range(valid.n):
                 seed = valid.sampling.seed
                 one = replace(valid, request_id=request_id if i == 0 else responses.sample_request_id(request_id, i),
                               sampling=valid.sampling if seed is None else replace(valid.sampling, seed=seed + i))
-                run = self._run(request, context, received, tenant, one, "")
+                run = self._run(request, context, received, tenant, one, "", group)
                 samples.append((run.state, run.mailbox))
         except ServingError:
             for state, mailbox in samples:

@@ -23,7 +23,8 @@ def workloads(draw):
         deadline = draw(st.one_of(st.none(), st.floats(0.001, 3.0).map(lambda d, a=arrival: a + d)))
         cancel = draw(st.one_of(st.none(), st.floats(0.0, 2.0).map(lambda d, a=arrival: a + d)))
         reqs.append(SimRequest(f"r{i}", arrival, prompt_tokens=draw(st.integers(1, 300)), max_tokens=draw(st.integers(1, 40)),
-                               cls=cls, deadline=deadline, tenant=draw(st.sampled_from(["a", "b", "c"])), cancel_at=cancel))
+                               cls=cls, deadline=deadline, tenant=draw(st.sampled_from(["a", "b", "c"])), cancel_at=cancel,
+                               group=draw(st.sampled_from([None, "g0", "g1"]))))  # n > 1: samples prefer one worker
     return reqs
 
 
@@ -75,6 +76,7 @@ def test_every_request_ends_exactly_once_and_budgets_hold(reqs):
     for o in out.values():
         assert o.status in FINAL, f"{o.key} never ended: {o.status}"
     assert not sim.scheduler.entries
+    assert not sim.scheduler.siblings.where and not sim.scheduler.siblings.members  # groups go with their samples
     for w in sim.scheduler.workers.values():
         assert w.reserved_blocks == 0 and not w.running
     # Preemption is bounded: no request is re-run more often than the limit allows.

@@ -194,5 +194,6 @@ class AdmissionControl:
 
     @staticmethod
     def prefill_owed(w: WorkerView) -> int:
-        """Prompt tokens admitted to `w` that it has not computed yet (no token produced since admission)."""
-        return sum(e.prompt_tokens + e.generated for e in w.running.values() if not e.prefilled)
+        """Prompt tokens admitted to `w` that it has not computed yet (no token produced since admission), less what
+        its prefix cache holds of a call's sample (Entry.prefill_tokens)."""
+        return sum(e.prefill_tokens for e in w.running.values() if not e.prefilled)

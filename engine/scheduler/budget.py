@@ -14,11 +14,15 @@ Prompt tokens are counted per class: a worker computes interactive prompts befor
 has not started (vLLM's priority order; engine/vllm_backend.py), so bulk prompts sent to it and not
 yet begun take an interactive request's room in no step. Interactive prompts take bulk's: they go
 first.
+
+A prompt is charged what the worker will compute of it: less the full KV blocks its prefix cache holds for it
+(`cached`: a call's sample on a worker that runs a sibling, placement.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from tokenline.engine.scheduler.records import Entry
 from tokenline.engine.types import TrafficClass
@@ -41,7 +45,8 @@ class StepBudget:
     the interactive ones only."""
 
     def __init__(self, slots: int, blocks: int, prefill_tokens: int, block_size: int, *, fresh_step: bool,
-                 interactive_prefill_tokens: int, interactive_fresh: bool, margin_tokens: int = 0):
+                 interactive_prefill_tokens: int, interactive_fresh: bool, margin_tokens: int = 0,
+                 cached: Callable[[Entry], int] | None = None):
         self.slots = slots
         self.blocks = blocks
         self.prefill_tokens = prefill_tokens
@@ -52,12 +57,18 @@ class StepBudget:
         # into a step that has no other new prompt (vLLM chunks it).
         self._fresh_step = fresh_step
         self._interactive_fresh = interactive_fresh
+        self.cached = cached  # prompt tokens of a request this worker's prefix cache holds (None: none)
 
     def copy(self) -> StepBudget:
         return StepBudget(self.slots, self.blocks, self.prefill_tokens, self.block_size,
                           fresh_step=self._fresh_step, margin_tokens=self.margin_tokens,
                           interactive_prefill_tokens=self.interactive_prefill_tokens,
-                          interactive_fresh=self._interactive_fresh)
+                          interactive_fresh=self._interactive_fresh, cached=self.cached)
+
+    def prompt_tokens(self, entry: Entry) -> int:
+        """What the worker computes of `entry`'s prompt (a continuation's includes the tokens delivered before)."""
+        tokens = entry.prompt_tokens + entry.generated
+        return tokens - self.cached(entry) if self.cached is not None else tokens
 
     def blocks_charged(self, entry: Entry) -> int:
         return blocks_for(entry, self.block_size, self.margin_tokens)
@@ -73,12 +84,12 @@ class StepBudget:
         if entry.cls == TrafficClass.INTERACTIVE and blocks_at_most(entry, self.block_size) > self.blocks:
             return False
         room, fresh = self._prompt_room(entry.cls)
-        return entry.prompt_tokens + entry.generated <= room or fresh
+        return self.prompt_tokens(entry) <= room or fresh
 
     def try_admit(self, entry: Entry) -> bool:
         if not self.fits(entry):
             return False
-        tokens = entry.prompt_tokens + entry.generated
+        tokens = self.prompt_tokens(entry)
         self.slots -= 1
         self.blocks -= self.blocks_charged(entry)
         self.prefill_tokens = max(self.prefill_tokens - tokens, 0)  # every prompt comes before bulk's next

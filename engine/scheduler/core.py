@@ -12,7 +12,7 @@ its admission window, or waiting longer would threaten a deadline).
 The event handlers and the dispatch round live here, over one state and one invariant (every event ends
 in `_dispatch`); the rules they apply are composed parts, each given that state explicitly: admission.py
 (estimates, refusals), rules.py (the dispatch rule), planner.py (step plans), crashes.py (a dead
-worker's runs, suspects and survivors), preemption.py (when running bulk gives way).
+worker's runs, suspects and survivors), preemption.py (when running bulk gives way), placement.py (n samples).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tokenline.engine.scheduler.budget import blocks_for
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.crashes import CrashRecovery
 from tokenline.engine.scheduler.pace import WorkerPace
+from tokenline.engine.scheduler.placement import SiblingPlacement
 from tokenline.engine.scheduler.planner import StepPlanner
 from tokenline.engine.scheduler.preemption import Preemption
 from tokenline.engine.scheduler.queues import ClassQueue
@@ -48,6 +49,7 @@ class Scheduler:
         self.models: dict[str, ModelState] = {}
         self.workers: dict[int, WorkerView] = {}
         self.planner = StepPlanner(config)  # what latency targets ask of each worker (engine/scheduler/planner.py)
+        self.siblings = SiblingPlacement(self.workers, self.entries)  # a call's n samples share a worker (placement.py)
         self.counters = Counters()
         self._deadlines: list[tuple[float, str]] = []  # heap; stale rows skipped lazily
         self._tenant_inflight: Counter[str] = Counter()
@@ -59,7 +61,7 @@ class Scheduler:
         # Estimates and refusals (engine/scheduler/admission.py), over this state.
         self.admission = AdmissionControl(config, self.models, self.workers, self.entries, self.on_demand,
                                           self._tenant_inflight, self._tenant_queued_tokens, self._model)
-        self.rules = DispatchRules(config, self.models, self.admission, self.planner)  # budgets, when queues are released
+        self.rules = DispatchRules(config, self.models, self.admission, self.planner, self.siblings)  # budgets, when queues are released
         # A dead worker's runs, suspects and survivors (engine/scheduler/crashes.py).
         self.crashes = CrashRecovery(config, self.workers, self.entries, self._model, can_take=self.rules.can_take,
                                      first_token_at=self.admission.first_token_at, enqueue=self._enqueue,
@@ -266,7 +268,7 @@ class Scheduler:
             if r.admitted[wid]:
                 w = self.workers[wid]
                 w.seq += 1
-                prompts = [(self.entries[a.key].prompt_tokens + a.generated, self.entries[a.key].cls) for a in r.admitted[wid]]
+                prompts = [(self.entries[a.key].prefill_tokens, self.entries[a.key].cls) for a in r.admitted[wid]]
                 w.pending_prefill[w.seq] = (sum(n for n, _ in prompts),
                                             sum(n for n, cls in prompts if cls == TrafficClass.INTERACTIVE))
                 actions.append(Admit(wid, w.seq, tuple(r.admitted[wid]), idle_before=len(w.running) == len(r.admitted[wid])))
@@ -285,9 +287,10 @@ class Scheduler:
                           and self.rules.can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
             if not candidates:
                 return moved  # the head fits nowhere now: it keeps its place
-            # A worker running a crash's survivors may crash again: new work goes to a clean one if it can.
-            wid = min(candidates, key=lambda i: (self.crashes.holds_crashed(i, r),
-                                                 self.admission.first_token_at(e, self.workers[i], now)))
+            # A worker running a crash's survivors may crash again: new work goes to a clean one if it can; a
+            # call's sample to where its first sample went, if that worker is a candidate (placement.py).
+            wid = self.siblings.choose(e, candidates, key=lambda i: (self.crashes.holds_crashed(i, r),
+                                                                     self.admission.first_token_at(e, self.workers[i], now)))
             w = self.workers[wid]
             if self.admission.cannot_complete(e, w, now):
                 self._dequeue(e)  # it asked to finish by its deadline, and no longer can
@@ -318,6 +321,7 @@ class Scheduler:
         r.budgets[wid].try_admit(e)
         self._dequeue(e, admitted=True)
         r.admitted[wid].append(self._admit(e, self.workers[wid], now))
+        self.siblings.placed(e, wid)
 
     def _admit(self, e: Entry, w: WorkerView, now: float) -> Admission:
         model = self.models[e.model]
@@ -399,6 +403,7 @@ class Scheduler:
         e.worker_id, e.blocks = None, 0
 
     def _forget(self, e: Entry) -> None:
+        self.siblings.forgot(e)
         if self.entries.pop(e.key, None) is not None:
             self._tenant_inflight[e.tenant] -= 1
             if not self._tenant_inflight[e.tenant]:
@@ -418,10 +423,7 @@ class Scheduler:
             model.no_capacity_since = now
 
     def _no_capacity_integral(self, model: ModelState, now: float) -> float:
-        total = model.no_capacity_total
-        if model.no_capacity_since is not None:
-            total += now - model.no_capacity_since
-        return total
+        return model.no_capacity_total + (now - model.no_capacity_since if model.no_capacity_since is not None else 0.0)
 
     # ------------------------------------------------------------- inspection
 
@@ -444,5 +446,4 @@ class Scheduler:
         return self._tenant_inflight[tenant]
 
     def running(self, worker_id: int) -> int:
-        w = self.workers.get(worker_id)
-        return len(w.running) if w else 0
+        return len(self.workers[worker_id].running) if worker_id in self.workers else 0

@@ -29,6 +29,8 @@ class Entry:
     deadline: float | None = None
     must_complete_by_deadline: bool = False  # refuse unless the whole completion fits, not just its first token
     itl_target_s: float | None = None  # interactive: its own inter-token latency target (None: its class's)
+    group: str | None = None  # n > 1: the call's request key, shared by its samples (placement.py)
+    cached_prompt: int = 0  # this run: prompt tokens a sibling on its worker holds in the prefix cache (placement.py)
     status: Status = Status.QUEUED
     attempt: int = 1
     run: int = 0  # admissions so far (a preemption re-admits without a new attempt)
@@ -52,6 +54,12 @@ class Entry:
     def cost(self) -> int:
         """Tokens it may occupy: prompt plus new tokens still owed."""
         return self.prompt_tokens + self.max_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        """What this run's worker computes before its first token: prompt and tokens delivered before, less the
+        prefix cache's share (set when it is admitted)."""
+        return self.prompt_tokens + self.generated - self.cached_prompt
 
     @property
     def remaining(self) -> int:

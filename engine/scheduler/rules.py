@@ -12,6 +12,7 @@ from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import StepBudget
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.crashes import isolated
+from tokenline.engine.scheduler.placement import SiblingPlacement
 from tokenline.engine.scheduler.planner import StepPlanner
 from tokenline.engine.scheduler.records import Admission, Entry
 from tokenline.engine.scheduler.state import ModelState, WorkerView
@@ -20,11 +21,12 @@ from tokenline.engine.types import TrafficClass
 
 class DispatchRules:
     def __init__(self, config: SchedulerConfig, models: dict[str, ModelState], admission: AdmissionControl,
-                 planner: StepPlanner):
+                 planner: StepPlanner, siblings: SiblingPlacement):
         self.config = config
         self.models = models
         self.admission = admission
         self.planner = planner
+        self.siblings = siblings  # where a call's samples are, and what of their prompt a worker holds (placement.py)
 
     def budget(self, w: WorkerView, *, at_boundary: bool = False) -> StepBudget:
         """What `w` can take now. Prompts admitted but not yet applied (`pending_prefill`) go into its
@@ -37,7 +39,8 @@ class DispatchRules:
         (budget.py); counting those, it waited a report, and on a worker that runs ahead a step more.
         Not until the worker's steps have shown what a sequence costs: before, the ITL target's rule
         (planner.py `keeps_itl_target`) would take any number of streams as free, and the pending bulk prompts
-        are what spaces interactive admissions out."""
+        are what spaces interactive admissions out. A call's sample is charged its prompt less the full blocks a
+        sibling on `w` holds (placement.py `cached_on`)."""
         free_blocks = w.spec.kv_blocks_total - self.config.kv_watermark_blocks - w.reserved_blocks
         budget = w.spec.prefill_token_budget
         pending = sum(n for n, _ in w.pending_prefill.values())
@@ -54,6 +57,7 @@ class DispatchRules:
             margin_tokens=self.config.kv_margin_tokens,
             interactive_prefill_tokens=max(budget - interactive, 0),
             interactive_fresh=interactive == 0,
+            cached=self.siblings.cached_on(w.spec.worker_id, w.spec.block_size),
         )
 
     def fires(self, model_name: str, cls: TrafficClass, budget: StepBudget, now: float) -> bool:
