@@ -416,4 +416,8 @@ def model_from_proto(model: pb.ModelInfo) -> ModelInfo:
         max_prompt_tokens=model.max_prompt_tokens,
         structured_output_formats=tuple(model.structured_output_formats),
         chat_template=model.chat_template,
+        queued_interactive=model.queued_interactive,
+        queued_bulk=model.queued_bulk,
+        running=model.running,
+        state=model.state,
     )

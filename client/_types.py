@@ -156,3 +156,7 @@ class ModelInfo:
     max_prompt_tokens: int = 0
     structured_output_formats: tuple[str, ...] = ()
     chat_template: str = ""
+    queued_interactive: int = 0  # its requests waiting for one of its workers now
+    queued_bulk: int = 0
+    running: int = 0  # its requests running on its workers now
+    state: str = ""  # "loading", "serving" or "restarting" (its workers died and are being restarted)

@@ -93,3 +93,13 @@ def longest_token_chars(tokenizer: Any) -> int:
     """
     spelled = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     return max(len(str(t or "")) for t in spelled) + 1
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """What a model's queues and workers hold now (Runtime.model_load)."""
+
+    queued_interactive: int = 0
+    queued_bulk: int = 0
+    running: int = 0
+    state: str = "serving"

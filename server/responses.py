@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from tokenline.engine.types import STRUCTURED_FORMATS, FinishReason, PositionLogprobs
-from tokenline.server.catalog import ServedModel
+from tokenline.server.catalog import ModelLoad, ServedModel
 from tokenline.server import convert
 from tokenline.server.convert import Limits, max_prompt_tokens
 from tokenline.server.errors import InvalidRequest, RunLost
@@ -128,10 +128,13 @@ def _text_from(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, 
                   "to receive it whole")
 
 
-def model_info(model: ServedModel, specs: list[WorkerSpec], limits: Limits) -> pb.ModelInfo:
-    """A served model and the workers that have it loaded now."""
+def model_info(model: ServedModel, specs: list[WorkerSpec], limits: Limits, load: ModelLoad | None = None) -> pb.ModelInfo:
+    """A served model, the workers that have it loaded now, and its load (queued, running, state)."""
     first = specs[0] if specs else None
+    load = load or ModelLoad()
     return pb.ModelInfo(name=model.name, version=model.version, max_context=model.max_context,
+                        queued_interactive=load.queued_interactive, queued_bulk=load.queued_bulk,
+                        running=load.running, state=load.state,
                         loaded=bool(specs), workers=len(specs),
                         dtype=first.dtype if first else "",
                         attention_kernel=first.attention_kernel if first else "",

@@ -26,6 +26,7 @@ from tokenline.engine.types import FinishReason, StepReport, TrafficClass, Worke
 from tokenline.engine.supervisor import Supervisor
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
+from tokenline.server.catalog import ModelLoad
 from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, InvalidRequest, Overloaded, Quarantined, ServingError, Unavailable
 # What a request is, on the connection side; imported from here by the servicer, jobs, telemetry.
 from tokenline.server.request import _END, Chunk, RequestKey, RequestState, fingerprint  # noqa: F401
@@ -95,6 +96,17 @@ class Runtime:
 
     def model_loaded(self, model: str) -> bool:
         return any(s.model == model for s in self.specs.values())
+
+    def model_load(self, model: str) -> ModelLoad:
+        """What `model`'s queues and workers hold now, and whether it serves (ListModels)."""
+        state = self.scheduler.models.get(model)
+        if state is None:
+            return ModelLoad(state="loading")
+        running = sum(len(self.scheduler.workers[w].running) for w in state.workers + state.retiring
+                      if w in self.scheduler.workers)
+        serving = "serving" if self.model_loaded(model) else "restarting" if state.replacements_due else "loading"
+        return ModelLoad(queued_interactive=len(state.queues[TrafficClass.INTERACTIVE]),
+                         queued_bulk=len(state.queues[TrafficClass.BULK]), running=running, state=serving)
 
     def _worker_ready(self, spec: WorkerSpec) -> None:
         if self.workers.scales_from_zero(spec.model):  # with no worker left, requests queue for a start this long

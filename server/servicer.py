@@ -120,7 +120,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         except ServingError as err:
             await abort_with(context, err)
         specs = list(self.runtime.specs.values())
-        return pb.ListModelsResponse(models=[responses.model_info(m, [s for s in specs if s.model == m.name], self.limits)
+        return pb.ListModelsResponse(models=[responses.model_info(m, [s for s in specs if s.model == m.name], self.limits,
+                                                                  self.runtime.model_load(m.name))
                                              for m in self.models.values()])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

@@ -20,6 +20,7 @@ from tokenline.engine.models import resolve_model
 pytestmark = pytest.mark.engine
 
 PROMPTS = [[3 + i, 17, 42 + i, 99, 7] for i in range(3)]
+FLOOD_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +61,27 @@ def test_each_request_is_answered_by_the_model_it_names(server, judges):
 def test_a_flood_on_one_model_never_makes_the_others_requests_wait(server, judges):
     async def run():
         async with AsyncClient(server.address) as client:
-            flood = [asyncio.create_task(client.complete(token_ids=[5, 6, 7 + i], model="a", max_tokens=160,
+            flood = [asyncio.create_task(client.complete(token_ids=[5, 6, 7 + i], model="a", max_tokens=FLOOD_TOKENS,
                                                          temperature=0, ignore_eos=True, traffic_class="bulk"))
                      for i in range(20)]  # 20 on a worker of 8 sequences: a queue
-            await asyncio.sleep(1.0)
+            for _ in range(600):  # until ListModels shows a's worker full (8 run for seconds) and 12 waiting
+                load = {m.name: m for m in await client.list_models(timeout=10)}
+                if (load["a"].running, load["a"].queued_bulk) == (8, 12):
+                    break
+                await asyncio.sleep(0.05)
             during = []
             for prompt in PROMPTS:
                 during.append(await client.complete(token_ids=prompt, model="b", max_tokens=16, temperature=0,
                                                     ignore_eos=True))
-            return during, await asyncio.gather(*flood)
+            return load, during, await asyncio.gather(*flood)
 
-    during, flood = asyncio.run(run())
+    load, during, flood = asyncio.run(run())
+    # ListModels shows each model's own load: a's queue and its full worker, b idle and serving
+    assert (load["a"].state, load["a"].running, load["a"].queued_bulk) == ("serving", 8, 12)  # within 30 s
+    assert (load["b"].state, load["b"].running, load["b"].queued_bulk, load["b"].queued_interactive) == ("serving", 0, 0, 0)
     waits = [f.timeline.admitted_ms - f.timeline.enqueued_ms for f in flood]
-    assert max(waits) > 500  # a's requests waited for its worker's sequences to end (160 tokens each)
+    assert max(waits) > 500  # a's requests waited for its worker's sequences to end
     for prompt, done in zip(PROMPTS, during):
         assert done.timeline.admitted_ms == done.timeline.enqueued_ms  # admitted the moment it came
         assert judges["b"].violations(prompt, list(done.token_ids)) == []
-    assert all(len(f.token_ids) == 160 for f in flood)
+    assert all(len(f.token_ids) == FLOOD_TOKENS for f in flood)
