@@ -9,7 +9,7 @@ and `--interactive-ttft-target-ms`:
 3. bulk alone again (what the targets cost bulk when no interactive stream comes: ÷ run 1);
 4. the mix: the same bulk loop plus Poisson interactive arrivals.
 Then, unless skipped, tokenline with its own defaults (no target flag: the targets `tokenline serve` sets
-itself: a TTFT target, no ITL target) runs 3 and 4, scored at T = server/flags.py ITL_TARGET_STEPS × that ITL.
+itself) runs 3 and 4, scored at T = its default multiple (server/flags.py ITL_TARGET_STEPS) of that ITL.
 `vllm serve` runs 1, 2 and 4 once; its mix is scored against each T (in its own single-sequence ITLs).
 Reported per server and T: interactive attainment of TTFT ≤ target, of ITL ≤ T, of both; bulk in the mix over
 bulk alone; and, for tokenline, the most bulk throughput any schedule could give under T: from the step-time

@@ -32,14 +32,13 @@ SERVE_EXAMPLES = """examples:
 
 # `serve`'s own defaults where they differ from a bare config's: None is decided at start from the machine.
 WORKER_DEFAULTS = {"kv_cache_bytes": None, "threads": None, "compile": True}
-# Interactive first tokens are protected out of the box (issue 39): a TTFT target of TTFT_TARGET_FIRST_TOKENS idle
-# first tokens (at least 500 ms); its flag at 0 turns it off. The ITL target stays off unless asked for
-# (--interactive-itl-target-steps ITL_TARGET_STEPS is the multiple that held on every box measured): on by default
-# it starved an all-interactive flood's later prompts (chunked to keep the first streams' pace) and halved
-# saturation throughput on this 2-core box. Why: docs/scheduling.md, "Targets by default".
+# Interactive streams are protected out of the box (issue 39): an ITL target of ITL_TARGET_STEPS times the worker's
+# own single-sequence step, as it measures it, and a TTFT target; each flag at 0 turns its target off.
+# Why these numbers: docs/scheduling.md, "Targets by default".
 ITL_TARGET_STEPS = 3.0
 TTFT_TARGET_FIRST_TOKENS = 3.0  # × an idle worker's first token of a typical interactive prompt, at least 500 ms
-SCHEDULER_DEFAULTS = {"interactive.ttft_target_first_tokens": TTFT_TARGET_FIRST_TOKENS}
+SCHEDULER_DEFAULTS = {"interactive.itl_target_steps": ITL_TARGET_STEPS,
+                      "interactive.ttft_target_first_tokens": TTFT_TARGET_FIRST_TOKENS}
 WORKER_HELPS = {
     "kv_cache_bytes": "KV cache per worker in MiB (default: a share of available memory, split between workers)",
     "threads": "OpenMP threads per worker (default 1: measured, two 1-thread workers out-serve one 2-thread worker)",

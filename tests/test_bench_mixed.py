@@ -73,7 +73,7 @@ def test_a_short_mixed_run_reports_every_target_beside_the_references(tmp_path):
     assert defaults["slo"]["itl_ms"] == pytest.approx(ITL_TARGET_STEPS * reference["solo_itl_ms"])
     logs = tmp_path / "logs"
     assert "interactive targets off" in (logs / "tokenline-no-target.log").read_text()  # the references: off
-    assert "interactive targets: no ITL target, TTFT 3 ×" in (logs / "tokenline-defaults.log").read_text()
+    assert "interactive targets: ITL 3 × the single-sequence step" in (logs / "tokenline-defaults.log").read_text()
     assert run["itl_target_steps"] == 3 and run["slo"]["itl_ms"] == pytest.approx(3 * reference["solo_itl_ms"])
     assert run["interactive_requests"] > 0
     for key in ("attain_ttft", "attain_itl", "attain_both"):

@@ -92,7 +92,7 @@ def test_serve_without_flags_builds_the_configs_own_defaults():
     """The defaults a user gets are the dataclasses' own, except where serve decides from the machine or its
     own choice (the compiler on), and those are declared in one place (server/flags.py WORKER_DEFAULTS)."""
     args = serve()
-    targets = dataclasses.replace(SchedulerConfig().interactive, ttft_target_first_tokens=3.0)
+    targets = dataclasses.replace(SchedulerConfig().interactive, itl_target_steps=3.0, ttft_target_first_tokens=3.0)
     assert read_flags(args, SchedulerConfig) == dataclasses.replace(SchedulerConfig(), interactive=targets)
     assert read_flags(args, TelemetryConfig) == TelemetryConfig()
     assert read_flags(args, JobConfig, store="s") == JobConfig(store="s")
@@ -104,27 +104,26 @@ def test_serve_without_flags_builds_the_configs_own_defaults():
 
 
 def test_serve_protects_interactive_streams_unless_told_not_to():
-    """Out of the box, interactive requests have a TTFT target of 3 idle first tokens of a typical interactive
-    prompt, at least 500 ms, and no ITL target unless asked (the start-up line says so); a target given in ms
-    replaces the multiple; 0 turns each off."""
+    """Out of the box, interactive streams have an ITL target of 3 single-sequence steps of their worker and a TTFT
+    target of 3 idle first tokens of a typical interactive prompt, at least 500 ms (the start-up line says so); a
+    target given in ms replaces the multiple; 0 turns each off."""
     from tokenline.server.cli import targets_text
 
     sched = read_flags(serve(), SchedulerConfig)
     default = sched.interactive
     assert (default.itl_target_steps, default.ttft_target_first_tokens, default.itl_target_s, default.ttft_target_s) \
-        == (None, 3.0, None, None)
-    assert targets_text(default) == "interactive targets: no ITL target, TTFT 3 × an idle first token (at least 500 ms)"
-    asked = read_flags(serve("--interactive-itl-target-steps", "3"), SchedulerConfig).interactive
-    assert asked.itl_target_for(single_step_s=0.04) == pytest.approx(0.12)
-    assert targets_text(asked) == ("interactive targets: ITL 3 × the single-sequence step, "
-                                   "TTFT 3 × an idle first token (at least 500 ms)")
+        == (3.0, 3.0, None, None)
+    assert targets_text(default) == ("interactive targets: ITL 3 × the single-sequence step, "
+                                     "TTFT 3 × an idle first token (at least 500 ms)")
+    assert default.itl_target_for(single_step_s=0.04) == pytest.approx(0.12)
     assert default.ttft_target_for(idle_first_token_s=0.3, floor_s=sched.ttft_target_floor_s) == pytest.approx(0.9)
     assert default.ttft_target_for(idle_first_token_s=0.01, floor_s=sched.ttft_target_floor_s) == pytest.approx(0.5)
     given = read_flags(serve("--interactive-itl-target-ms", "90", "--interactive-ttft-target-ms", "250"),
                        SchedulerConfig).interactive
     assert given.itl_target_for(single_step_s=0.04) == pytest.approx(0.09)
     assert given.ttft_target_for(idle_first_token_s=0.3, floor_s=0.5) == pytest.approx(0.25)
-    off = read_flags(serve("--interactive-ttft-target-first-tokens", "0"), SchedulerConfig)
+    off = read_flags(serve("--interactive-itl-target-steps", "0", "--interactive-ttft-target-first-tokens", "0"),
+                     SchedulerConfig)
     assert (off.interactive.itl_target_steps, off.interactive.ttft_target_first_tokens) == (None, None)
     assert targets_text(off.interactive) == "interactive targets off"
     assert read_flags(serve(), SchedulerConfig).bulk.ttft_target_s is None  # bulk is never held to them

@@ -74,3 +74,40 @@ def test_an_interactive_stream_keeps_its_pace_through_a_bulk_flood(composing_ser
     print(f"\nstep composition: {len(limited)} steps under a bulk limit (median {statistics.median(s['plan_bulk'] for s in limited)}"
           f" of {BULK}), none over it; interactive mean ITL during the flood {itl[0]:.1f} ms, alone {itl[1]:.1f} ms")
 
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    """`tokenline serve` with no target flag: its own default targets."""
+    step_log = tmp_path_factory.mktemp("steps") / "steps.jsonl"
+    server = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "32", "--max-model-len", "1024",
+                           "--self-check", "off", "--step-log", str(step_log)).start()
+    yield server, step_log
+    server.stop()
+
+
+def test_out_of_the_box_interactive_streams_run_under_a_step_plan(default_server):
+    """Protected by default (issue 39): with no target flag, the steps an interactive stream shares with a bulk
+    flood run under the plan its default ITL target gives (how much bulk it pauses is the target's and the
+    machine's business: on the tiny model a step of the whole flood may well fit), and none decodes more bulk
+    than its plan allows; with no interactive stream in, no plan limits bulk."""
+    server, step_log = default_server
+
+    async def run():
+        async with AsyncClient(server.address) as client:
+            await _stream(client, "warm up", max_tokens=16)
+            bulk = [asyncio.create_task(_stream(client, f"bulk {i}", max_tokens=400, traffic_class="bulk"))
+                    for i in range(BULK)]
+            await asyncio.sleep(1.0)
+            during = [await _stream(client, f"person {i}", max_tokens=32) for i in range(3)]
+            return during, await asyncio.gather(*bulk)
+
+    during, bulk = asyncio.run(run())
+    assert all(sum(len(d.token_ids) for d in b) == 400 for b in bulk)
+    assert all(sum(len(d.token_ids) for d in s) == 32 for s in during)
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    # Steps an interactive stream is in: the whole flood and it, or bulk paused for it (the step in which the
+    # scheduler has admitted a stream that has not reached the worker yet is the flood's alone).
+    beside = [s for s in steps if s["interactive"] and (s["batch"] > BULK or s["paused"])]
+    assert beside and all(s["plan_bulk"] is not None for s in beside), "interactive streams ran with no plan"
+    assert all(s["bulk_decoded"] <= s["plan_bulk"] for s in beside)
+    assert all(s["plan_bulk"] is None for s in steps if not s["interactive"] and s["batch"] >= BULK)
