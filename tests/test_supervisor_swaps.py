@@ -9,7 +9,8 @@ import dataclasses
 
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.simulation import worker_spec
-from tokenline.engine.supervisor import RETIRE_CHECK_S, Supervisor
+from tokenline.engine.supervisor import Supervisor
+from tokenline.engine.supervisor_swaps import RETIRE_CHECK_S
 from tokenline.engine.types import WorkerFailed
 
 
