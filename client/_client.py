@@ -234,6 +234,17 @@ class Client:
             raise error_from_rpc(error) from error
         return [model_from_proto(m) for m in response.models]
 
+    def roll_out(self, name: str, model: str, *, workers: int = 0, timeout: float | None = 900.0) -> dict[str, Any]:
+        """Admin: roll model `name` out to the version in `model` (a folder or built-in name) without dropping a
+        stream; returns once it is current: {"name", "version", "previous_version", "workers"}."""
+        request = pb.RollOutRequest(name=name, model=model, workers=workers)
+        try:
+            response = pb_grpc.TokenlineAdminStub(self._channel).RollOut(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return {"name": response.name, "version": response.version, "previous_version": response.previous_version,
+                "workers": response.workers}
+
     # ------------------------------------------------------------ durable jobs
 
     def submit_job(self, prompt: str | None = None, *, timeout: float | None = 30.0,

@@ -420,4 +420,5 @@ def model_from_proto(model: pb.ModelInfo) -> ModelInfo:
         queued_bulk=model.queued_bulk,
         running=model.running,
         state=model.state,
+        current=model.current,
     )

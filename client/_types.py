@@ -160,3 +160,4 @@ class ModelInfo:
     queued_bulk: int = 0
     running: int = 0  # its requests running on its workers now
     state: str = ""  # "loading", "serving" or "restarting" (its workers died and are being restarted)
+    current: bool = True  # the version `name` alone reaches (False: rolled out of service, finishing its streams)

@@ -97,6 +97,7 @@ class Supervisor(SwapIns):
         self.startup_s: dict[str, float] = {}  # model -> how long its last worker took from spawn to ready
         # Serve while compiling: models started eager whose compiled workers are still to swap in.
         self.on_retire = on_retire
+        self.retired_models: set[str] = set()  # versions rolled out of service: their workers are never restarted
         self.swapping: set[str] = {name for name, (cfg, _) in workers.items() if serve_while_compiling and cfg.compile}
         self.compiled_active: set[str] = set()  # models whose first compiled worker is active: restarts compile
         self.compile_failed: dict[str, str] = {}  # model -> why its compiled worker could not start (serves eager)
@@ -179,6 +180,40 @@ class Supervisor(SwapIns):
         self.on_capacity()
         self.loop.run_in_executor(None, handle.terminate, 10.0)
         return True
+
+    # ------------------------------------------------------------ versions (server/admin.py)
+
+    def add_model(self, model: str, cfg: WorkerConfig, count: int) -> None:
+        """A model (a version rolled out) added while serving: its workers start now, built as configured."""
+        self.worker_configs[model] = (cfg, count)
+        self.target[model] = count
+        self._standby_ready[model] = {}
+        for _ in range(count):
+            self._spawn(model, cfg)
+
+    def retire_model(self, model: str) -> None:
+        """Stop serving `model` without dropping a stream: each active worker retires (`on_retire`: no new work;
+        stopped once it runs nothing), its standby and loading workers stop, and none of them is restarted."""
+        self.retired_models.add(model)
+        self.target[model] = 0
+        self.swapping.discard(model)
+        for wid, m in list(self._model_of.items()):
+            if m != model or wid in self._retirees or wid in self._retiring:
+                continue
+            if wid in self.specs:
+                self._retirees[wid] = time.monotonic()
+                self.specs.pop(wid)
+                self.cpu_set_of.pop(wid, None)
+                self.on_retire(wid)
+            else:
+                self._retiring.add(wid)
+                self.loop.run_in_executor(None, self.handles[wid].terminate, 10.0)
+        self.on_capacity()
+        self._stop_idle_retirees()
+
+    def workers_of(self, model: str) -> int:
+        """Worker processes of `model` still running (active, loading, standby or finishing their runs)."""
+        return sum(1 for m in self._model_of.values() if m == model)
 
     def starting(self, model: str) -> int:
         """Active workers of `model` asked for and not ready yet."""
@@ -317,7 +352,7 @@ class Supervisor(SwapIns):
             self.on_lost(wid)
             if model is None or not self._promote_standby(model):
                 self.on_capacity()
-        if self.restart and model is not None and model not in self.start_errors:
+        if self.restart and model is not None and model not in self.start_errors and model not in self.retired_models:
             self.restarts += 1
             # A promoted standby is replaced by a new standby; otherwise the worker itself restarts.
             standby = was_standby or (self.standby > 0 and len(self._standby_ids) < self.standby)

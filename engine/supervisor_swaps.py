@@ -81,7 +81,8 @@ class SwapIns:
             self._retiring.add(wid)
             self._retired.add(wid)
             self.on_lost(wid)
-            log.info("worker %d (eager) retired: stopped %.1f s after it was replaced, its runs finished", wid,
+            kind = "old version" if self._model_of.get(wid) in self.retired_models else "eager"
+            log.info("worker %d (%s) retired: stopped %.1f s after it was replaced, its runs finished", wid, kind,
                      time.monotonic() - since)
             handle = self.handles.get(wid)
             if handle is not None:

@@ -25,7 +25,7 @@ from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
 from tokenline.server.auth import Authenticator
-from tokenline.server.catalog import ServedModel, load_served_model
+from tokenline.server.catalog import ModelCatalog, ServedModel, load_served_model
 from tokenline.server.idempotency import IdempotencyStore
 from tokenline.server.jobrunner import JobConfig, JobRunner
 from tokenline.server.jobstore import JobStore
@@ -34,6 +34,7 @@ from tokenline.server.runtime import Runtime
 from tokenline.server.servicer import TokenlineServicer, add_to_server
 from tokenline.server.telemetry import Telemetry, TelemetryConfig
 from tokenline.v1 import tokenline_pb2 as pb
+from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from tokenline.server.web import WebConfig
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenline.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenline"].full_name
+ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TokenlineAdmin"].full_name
 
 
 @dataclass(frozen=True)
@@ -117,11 +119,11 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     """
     from tokenline.engine.models import model_version
 
-    served: dict[str, ServedModel] = {}
+    served = ModelCatalog()  # by name (its current version), "name@version", or the runtime's key
     for wc, _ in config.models:
         path = pathlib.Path(wc.model_path)
         version = wc.model_version or model_version(path)
-        served[wc.model_name] = load_served_model(wc.model_name, path, version, wc.max_model_len)
+        served.add(load_served_model(wc.model_name, path, version, wc.max_model_len), current=True)
     default_model = config.models[0][0].model_name
     if config.tool_call_parser:  # vLLM's parsers: seconds to import, off the loop, before serving
         from tokenline.server.tool_parsers import VllmToolParsers
@@ -185,6 +187,9 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
                                  on_done=telemetry.on_request_done, on_refused=telemetry.on_refused,
                                  on_shared=telemetry.on_shared)
     add_to_server(servicer, server)
+    from tokenline.server.admin import AdminServicer
+
+    pb_grpc.add_TokenlineAdminServicer_to_server(AdminServicer(runtime, served, auth), server)  # rollouts
     jobs = None
     if config.jobs is not None:
         try:
@@ -210,7 +215,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         web.gateway.openai = OpenAIDoor(servicer, WebContext, config.web.read_timeout_s)  # and the OpenAI-compatible /v1 routes
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                        server)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{config.host}:{config.port}"
     if config.tls_cert:

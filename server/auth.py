@@ -42,6 +42,7 @@ class Tenant:
     name: str
     key_hashes: frozenset[str]
     quota: TenantConfig
+    admin: bool = False  # may call the admin RPCs (server/admin.py): "admin": true in the keys file
 
 
 _QUOTA_FIELDS = {"weight": (float, 1.0), "max_concurrent": (int, 1_000_000), "max_queued_tokens": (int, 1_000_000_000)}
@@ -70,8 +71,11 @@ def load_tenants(path: pathlib.Path) -> dict[str, Tenant]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
                 raise ValueError(f"{where}: tenant {name!r}: {field_name} must be a {'whole ' if kind is int else ''}number, got {value!r}")
             quota[field_name] = kind(value)
+        admin = entry.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{where}: tenant {name!r}: admin must be true or false, got {admin!r}")
         try:
-            tenants[name] = Tenant(name, frozenset(keys), TenantConfig(**quota))
+            tenants[name] = Tenant(name, frozenset(keys), TenantConfig(**quota), admin)
         except ValueError as err:
             raise ValueError(f"{where}: tenant {name!r}: {err}") from err
     return tenants
@@ -151,6 +155,11 @@ class Authenticator:
         if self.client_certs and peer_common_name:
             return peer_common_name
         raise Unauthenticated("credentials are required: send 'authorization: Bearer <api key>' metadata")
+
+    def is_admin(self, tenant: str) -> bool:
+        """May `tenant` operate the server (server/admin.py)? A keys-file tenant with "admin": true."""
+        found = self.tenants.get(tenant) if self.keys_file is not None else None
+        return found is not None and found.admin
 
     def revoked(self, tenant: str) -> bool:
         """The keys file no longer gives `tenant` any key (its work stops: queued and running jobs, open

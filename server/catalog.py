@@ -7,6 +7,7 @@ token ids and a bad prompt is refused before it costs any engine time.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from tokenline.engine import modelconfig
 
 @dataclass
 class ServedModel:
-    name: str
+    name: str  # what callers put in GenerateRequest.model
     path: pathlib.Path
     version: str
     max_context: int
@@ -27,6 +28,17 @@ class ServedModel:
     # and a factory of its per-answer parsers (`tool_parsers.VllmToolParsers`), made when the server starts.
     tool_call_parser: str | None = None
     tool_parsers: Any = None
+    # The runtime's name for this version (its workers, queues, telemetry): the name for the version the server
+    # started with, "name@version" for one rolled out since (server/admin.py).
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.name
+
+    @property
+    def pinned(self) -> str:
+        """The name that always means this version (GenerateRequest.model "name@version"), whatever is current."""
+        return f"{self.name}@{self.version}"
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -103,3 +115,70 @@ class ModelLoad:
     queued_bulk: int = 0
     running: int = 0
     state: str = "serving"
+
+
+class ModelCatalog(Mapping[str, ServedModel]):
+    """The loaded model versions, looked up by what a caller may name: "name" (its current version),
+    "name@version" (that version, while it is loaded), or the runtime's key. Iterating gives each loaded
+    version once, by key."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, ServedModel] = {}
+        self._current: dict[str, str] = {}  # name -> key of its current version
+
+    def add(self, model: ServedModel, *, current: bool) -> None:
+        self._loaded[model.key] = model
+        if current or model.name not in self._current:
+            self._current[model.name] = model.key
+
+    def set_current(self, key: str) -> str | None:
+        """Make the version `key` its name's current one; returns the key that was current (None: none)."""
+        model = self._loaded[key]
+        before = self._current.get(model.name)
+        self._current[model.name] = key
+        return before
+
+    def remove(self, key: str) -> None:
+        """Unload a version that is not current."""
+        model = self._loaded[key]
+        if self._current.get(model.name) == key:
+            raise ValueError(f"{model.pinned} is the current version of {model.name!r}")
+        del self._loaded[key]
+
+    def current(self, name: str) -> ServedModel | None:
+        key = self._current.get(name)
+        return self._loaded[key] if key is not None else None
+
+    def is_current(self, model: ServedModel) -> bool:
+        return self._current.get(model.name) == model.key
+
+    def __getitem__(self, asked: str) -> ServedModel:
+        if asked in self._current:
+            return self._loaded[self._current[asked]]
+        if asked in self._loaded:
+            return self._loaded[asked]
+        name, at, version = asked.rpartition("@")
+        if at:
+            for model in self._loaded.values():
+                if model.name == name and model.version == version:
+                    return model
+        raise KeyError(asked)
+
+    def __contains__(self, asked: object) -> bool:
+        try:
+            self[asked]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._loaded))
+
+    def values(self):  # noqa: ANN201  each loaded version once (self[key] would resolve a key that is also a name)
+        return list(self._loaded.values())
+
+    def items(self):  # noqa: ANN201
+        return list(self._loaded.items())
+
+    def __len__(self) -> int:
+        return len(self._loaded)

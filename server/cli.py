@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenline.client.jobcli import add_job_parser
 
     add_job_parser(sub)
+    from tokenline.client.admincli import add_admin_parser
+
+    add_admin_parser(sub)
     add_keys_parser(sub)
     try:
         from tokenline.bench.cli import add_bench_parser
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         from tokenline.client.cli import run_generate
 
         return run_generate(args)
-    if args.command == "job":
+    if args.command in ("job", "admin"):
         return args.func(args)
     if args.command == "bench":
         from tokenline.bench.cli import run_bench

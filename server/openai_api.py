@@ -254,7 +254,8 @@ class OpenAIDoor:
             return await _json(send, status, err, extra)
         created = int(time.time())
         await _json(send, 200, {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": created, "owned_by": "tokenline", "root": m.name,
+            {"id": m.name if m.current else f"{m.name}@{m.version}",  # a version finishing its streams after a rollout
+             "object": "model", "created": created, "owned_by": "tokenline", "root": m.name,
              "max_model_len": m.max_context, "version": m.version, "loaded": m.loaded} for m in listed.models]})
 
     async def _whole(self, request: pb.GenerateRequest, context: Any, answer: Answer, send) -> None:  # noqa: ANN001

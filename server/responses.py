@@ -128,13 +128,14 @@ def _text_from(result: pb.CompleteResponse, token_text: tuple[str, ...] | None, 
                   "to receive it whole")
 
 
-def model_info(model: ServedModel, specs: list[WorkerSpec], limits: Limits, load: ModelLoad | None = None) -> pb.ModelInfo:
+def model_info(model: ServedModel, specs: list[WorkerSpec], limits: Limits, load: ModelLoad | None = None, *,
+               current: bool = True) -> pb.ModelInfo:
     """A served model, the workers that have it loaded now, and its load (queued, running, state)."""
     first = specs[0] if specs else None
     load = load or ModelLoad()
     return pb.ModelInfo(name=model.name, version=model.version, max_context=model.max_context,
                         queued_interactive=load.queued_interactive, queued_bulk=load.queued_bulk,
-                        running=load.running, state=load.state,
+                        running=load.running, state=load.state, current=current,
                         loaded=bool(specs), workers=len(specs),
                         dtype=first.dtype if first else "",
                         attention_kernel=first.attention_kernel if first else "",

@@ -20,6 +20,7 @@ from tokenline.engine.autoscale import AutoscaleConfig, read_pressure
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
+from tokenline.engine.scheduler.status import Status
 from tokenline.engine import types as wire  # the messages a worker receives: wire.Admit, wire.Abort
 from tokenline.engine.scheduler.records import Abort, Admit, Expire, Fail, Refusal, Refuse, Retry, SetPlan, StepResult
 from tokenline.engine.types import FinishReason, StepReport, TrafficClass, WorkerSpec, WorkItem
@@ -70,6 +71,7 @@ class Runtime:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._closing = False
+        self.closed_models: set[str] = set()  # versions rolled out of service: new requests for them are refused
         # A local process (WorkerHandle) or a Ray actor (engine/ray_workers.py) per worker.
         self.workers = Supervisor(workers, on_ready=self._worker_ready, on_lost=self._worker_lost, on_report=self._step_reported,
                                   on_capacity=self._capacity_changed, restart=restart_workers, standby=standby,
@@ -114,7 +116,40 @@ class Runtime:
         self._handle(self.scheduler.add_worker(spec))
 
     def _worker_lost(self, wid: int) -> None:
+        view = self.scheduler.workers.get(wid)
         self._handle(self.scheduler.worker_lost(wid))
+        if view is not None and view.spec.model in self.workers.retired_models:
+            self._fail_stranded(view.spec.model)
+
+    # -------------------------------------------------------------- versions (server/admin.py)
+
+    def add_model(self, model: str, config: WorkerConfig, count: int) -> None:
+        """Start serving another model (a version rolled out): its workers start now."""
+        self.workers.add_model(model, config, count)
+
+    def close_model(self, model: str) -> None:
+        """Take no new request for `model` (another version took its name); what it has queued still runs on it."""
+        self.closed_models.add(model)
+
+    def retire_model(self, model: str) -> None:
+        """Stop serving `model` (closed, its queue empty): its workers take no new work and stop once their streams
+        end, and none is restarted."""
+        self.closed_models.add(model)
+        self.workers.retire_model(model)
+
+    def queued(self, model: str) -> int:
+        state = self.scheduler.models.get(model)
+        return sum(len(q) for q in state.queues.values()) + len(state.suspects) + len(state.survivors) if state else 0
+
+    def _fail_stranded(self, model: str) -> None:
+        """A retired version lost a worker: the requests it ran wait for a worker that will never come (a
+        continuation stays on its version). They fail, clearly, rather than continue on another version."""
+        for key, st in list(self.requests.items()):
+            if st.entry.model == model and st.entry.status == Status.QUEUED:
+                self.scheduler.cancel(key)
+                self._finish(key, None, Unavailable(
+                    f"the worker running this request stopped, and its model version ({model}) was replaced by a "
+                    "newer one: it cannot continue on the version it started on; send it again"))
 
     def _worker_retiring(self, wid: int) -> None:
         """Another worker took its place: it takes no new work, and once it runs nothing (`_busy_workers`) the
@@ -137,7 +172,8 @@ class Runtime:
 
     def _capacity_changed(self) -> None:
         # A model scaled to zero serves: its requests queue and start a worker.
-        serving = all(self.model_loaded(m) or self.workers.scales_from_zero(m) for m in self.worker_configs)
+        serving = all(self.model_loaded(m) or self.workers.scales_from_zero(m) for m in self.worker_configs
+                      if m not in self.workers.retired_models)
         _run_hooks(self.on_capacity, serving)
 
     # ------------------------------------------------------------- requests
@@ -146,6 +182,9 @@ class Runtime:
         """Queue a validated request; raises a ServingError when it is refused at once."""
         if self._closing:
             raise Unavailable("the server is shutting down; retry on another instance")
+        if state.entry.model in self.closed_models:
+            raise Unavailable(f"model version {state.entry.model} was rolled out of service and is finishing its "
+                              "streams; name the model without a version for the current one")
         now = time.monotonic()
         until = self._quarantined.get(state.fingerprint)
         if until is not None and until <= now:

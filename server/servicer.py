@@ -120,8 +120,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         except ServingError as err:
             await abort_with(context, err)
         specs = list(self.runtime.specs.values())
-        return pb.ListModelsResponse(models=[responses.model_info(m, [s for s in specs if s.model == m.name], self.limits,
-                                                                  self.runtime.model_load(m.name))
+        return pb.ListModelsResponse(models=[responses.model_info(m, [s for s in specs if s.model == m.key], self.limits,
+                                                                  self.runtime.model_load(m.key), current=self._current(m))
                                              for m in self.models.values()])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -169,6 +169,11 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
 
     def _tool_parsers(self, call: _Call):  # noqa: ANN202
         return self.models[call.model].tool_parsers if call.tools.mode == "auto" else None
+
+    def _current(self, model: ServedModel) -> bool:
+        """Is `model` the version its name resolves to (server/catalog.py ModelCatalog)?"""
+        is_current = getattr(self.models, "is_current", None)
+        return is_current(model) if is_current is not None else True
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         if not self.auth.enabled:
@@ -274,7 +279,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         timeline = Timeline(received=received, validated=now)
         marker = bool(self.fault_marker) and request.WhichOneof("prompt") == "text" and self.fault_marker in request.text
         state = RequestState(key=RequestKey(tenant, request_id),
-                             model=valid.model.name, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
+                             model=valid.model.key, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
                              timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key,
                              must_complete_by_deadline=request.require_completion_by_deadline,
                              itl_target_s=convert.itl_target(request, valid.cls), group=group)

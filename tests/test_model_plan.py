@@ -78,3 +78,43 @@ def test_model_flags_name_each_model_and_give_counts_by_name():
 def test_bad_model_flags_are_refused_with_what_to_fix(models, name, counts, message):
     with pytest.raises(ValueError, match=message):
         model_flags(models, name, counts)
+
+
+def test_a_catalog_resolves_a_name_to_its_current_version_and_name_at_version_to_that_one():
+    import pathlib
+
+    from tokenline.server.catalog import ModelCatalog, ServedModel
+
+    def served(version: str, key: str = "") -> ServedModel:
+        return ServedModel(name="chat", path=pathlib.Path("/m"), version=version, max_context=64, vocab_size=10,
+                           tokenizer=None, key=key)
+
+    catalog = ModelCatalog()
+    v1, v2 = served("v1"), served("v2", key="chat@v2")
+    catalog.add(v1, current=True)
+    catalog.add(v2, current=False)
+    assert catalog["chat"] is v1 and catalog["chat@v2"] is v2 and catalog["chat@v1"] is v1
+    assert catalog.set_current("chat@v2") == "chat"
+    assert catalog["chat"] is v2 and catalog["chat@v1"] is v1  # the old version by its pinned name
+    assert sorted(m.version for m in catalog.values()) == ["v1", "v2"]  # each loaded version once
+    with pytest.raises(ValueError, match="is the current version"):
+        catalog.remove("chat@v2")
+    catalog.remove("chat")
+    assert "chat@v1" not in catalog and catalog["chat"] is v2 and len(catalog) == 1
+    assert "chat@v3" not in catalog and "other" not in catalog
+
+
+def test_only_a_tenant_marked_admin_in_the_keys_file_may_operate_the_server(tmp_path):
+    import json
+
+    from tokenline.server.auth import Authenticator, hash_key, load_tenants
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"tenants": {"ops": {"keys": [hash_key("k1")], "admin": True},
+                                            "app": {"keys": [hash_key("k2")]}}}))
+    auth = Authenticator(str(path))
+    assert auth.is_admin("ops") and not auth.is_admin("app") and not auth.is_admin("nobody")
+    assert not Authenticator(None).is_admin("default")  # with authentication off: loopback callers only (admin.py)
+    path.write_text(json.dumps({"tenants": {"ops": {"keys": [hash_key("k1")], "admin": "yes"}}}))
+    with pytest.raises(ValueError, match="admin must be true or false"):
+        load_tenants(path)
