@@ -119,25 +119,9 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     """
     from tokenline.engine.models import model_version
 
-    served = ModelCatalog()  # by name (its current version), "name@version", or the runtime's key
-    for wc, _ in config.models:
-        path = pathlib.Path(wc.model_path)
-        version = wc.model_version or model_version(path)
-        served.add(load_served_model(wc.model_name, path, version, wc.max_model_len), current=True)
     default_model = config.models[0][0].model_name
-    if config.tool_call_parser:  # vLLM's parsers: seconds to import, off the loop, before serving
-        from tokenline.server.tool_parsers import VllmToolParsers
-
-        loop = asyncio.get_running_loop()
-        for model in served.values():
-            try:
-                model.tool_parsers = await loop.run_in_executor(None, VllmToolParsers, config.tool_call_parser,
-                                                                model.tokenizer)
-            except ValueError as err:
-                print(f"tokenline: {err}", file=sys.stderr, flush=True)
-                return 2
-            model.tool_call_parser = config.tool_call_parser
-
+    # The workers start first: each takes many seconds to load (vLLM, the engine, the self-check), and what the
+    # frontend does before it listens (the tokenizers: transformers imports torch) runs meanwhile.
     try:
         auth = Authenticator(config.api_keys_file, client_certs=bool(config.tls_client_ca))
     except ValueError as err:
@@ -176,6 +160,27 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         print(f"tokenline: cannot open the metrics endpoint on port {config.telemetry.metrics_port}: {err}", file=sys.stderr, flush=True)
         return 1
     runtime.start()
+
+
+    served = ModelCatalog()  # by name (its current version), "name@version", or the runtime's key
+    for wc, _ in config.models:
+        path = pathlib.Path(wc.model_path)
+        version = wc.model_version or model_version(path)
+        served.add(load_served_model(wc.model_name, path, version, wc.max_model_len), current=True)
+    if config.tool_call_parser:  # vLLM's parsers: seconds to import, off the loop, before serving
+        from tokenline.server.tool_parsers import VllmToolParsers
+
+        loop = asyncio.get_running_loop()
+        for model in served.values():
+            try:
+                model.tool_parsers = await loop.run_in_executor(None, VllmToolParsers, config.tool_call_parser,
+                                                                model.tokenizer)
+            except ValueError as err:
+                print(f"tokenline: {err}", file=sys.stderr, flush=True)
+                await runtime.close()
+                await asyncio.to_thread(telemetry.shutdown)
+                return 2
+            model.tool_call_parser = config.tool_call_parser
 
     server = grpc.aio.server(interceptors=telemetry.server_interceptors(), options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),

@@ -10,9 +10,11 @@ from pathlib import Path
 from tokenline.engine.config import MiB, WorkerConfig
 from tokenline.engine.flagspec import read_flags
 from tokenline.engine.scheduler.config import SchedulerConfig
-from tokenline.server.convert import Limits
-from tokenline.server.flags import add_serve_parser
 from tokenline.server.model_flags import model_flags
+
+# Only light modules at the top: a worker process is spawned, and a spawned child imports the parent's main
+# module again (this one, or the `tokenline` script that imports it). The frontend's modules (gRPC,
+# OpenTelemetry, protobuf, the stores: server.flags imports server.app) are imported where they are used.
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -20,6 +22,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenline.engine.model_plan import ModelAsk, describe_models, plan_models
     from tokenline.engine.models import ModelPrepError, resolve_model
     from tokenline.server.app import ServeConfig, run
+    from tokenline.server.convert import Limits
     from tokenline.server.telemetry import TelemetryConfig
 
     from tokenline.server.logs import configure
@@ -206,6 +209,7 @@ def run_keys(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from tokenline.client.cli import add_generate_parser
+    from tokenline.server.flags import add_serve_parser
 
     parser = argparse.ArgumentParser(
         prog="tokenline", description="gRPC streaming inference server for language models, built on vLLM.",
