@@ -137,6 +137,25 @@ def pin_process(pid: int, cpus: Iterable[int]) -> bool:
     return pinned
 
 
+def set_nice(pid: int, nice: int) -> bool:
+    """Give every thread of process `pid` the CPU niceness `nice` (threads it starts later inherit it). False when
+    not allowed (raising a priority back needs CAP_SYS_NICE, or an RLIMIT_NICE that allows it) or the process is gone."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        tids = [pid]
+    done = False
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            done = True
+        except PermissionError:
+            return False
+        except OSError:  # a thread that ended meanwhile; a process that is gone
+            continue
+    return done
+
+
 def read_machine() -> Machine:
     return Machine(cpus=usable_cpus(), available_bytes=available_memory(), gpus=visible_gpus(), cpu_ids=affinity())
 

@@ -103,6 +103,7 @@ class Supervisor(SwapIns):
         self.compile_failed: dict[str, str] = {}  # model -> why its compiled worker could not start (serves eager)
         self.swaps: collections.Counter[str] = collections.Counter()  # model -> eager workers a compiled one replaced
         self._eager: set[int] = set()  # workers started eager in a model still swapping (active or loading)
+        self._loading_behind: dict[int, int] = {}  # eager workers loading at low CPU priority -> niceness to restore
         self._swap_in: dict[str, int] = {}  # model -> the compiled worker being built
         self._retirees: dict[int, float] = {}  # handed over, finishing their runs -> since when
         self._retired: set[int] = set()  # retirees stopped once idle, until they exit
@@ -116,8 +117,10 @@ class Supervisor(SwapIns):
         if self.autoscalers:
             self._scale_timer = self.loop.call_later(AUTOSCALE_CHECK_S, self._autoscale)
         for model, (_, count) in self.worker_configs.items():
-            for _ in range(count):
-                self._spawn(model, self._config(model))
+            for i in range(count):
+                wid = self._spawn(model, self._config(model))
+                if i and model in self.swapping:  # the first eager worker serves sooner without the others beside it
+                    self._load_behind(wid)
             if model not in self.swapping:  # else once every active worker is compiled
                 for _ in range(self.standby):
                     self._spawn(model, self._config(model), standby=True)
@@ -293,6 +296,7 @@ class Supervisor(SwapIns):
 
     def _activate(self, wid: int, spec: WorkerSpec) -> None:
         self.specs[wid] = spec
+        self._full_priority(wid)
         spawned = self._spawned_at.pop(wid, None)
         if spawned is not None:
             self.startup_s[spec.model] = time.monotonic() - spawned

@@ -10,16 +10,38 @@ lost (it holds nothing) and stopped, not restarted, no crash. The next compiled 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+from tokenline.engine.machine import set_nice
 from tokenline.engine.types import Shutdown, WorkerSpec
 
 log = logging.getLogger("tokenline.runtime")
 
 RETIRE_CHECK_S = 0.2  # how often retiring workers are looked at for being idle (a step report looks at once)
+# The eager workers of a model beyond its first load at this CPU niceness, so that on a small machine the first one
+# is not slowed by the others (they share the cores): the server serves as soon as one worker is ready.
+LOADING_NICE = 10
 
 
 class SwapIns:
+    def _load_behind(self, wid: int) -> None:
+        """An eager worker that is not its model's first loads LOADING_NICE below this process's CPU priority until
+        it is ready."""
+        handle = self.handles.get(wid)
+        if not getattr(handle, "local", False) or handle.pid is None:
+            return
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        if set_nice(handle.pid, min(base + LOADING_NICE, 19)):
+            self._loading_behind[wid] = base
+
+    def _full_priority(self, wid: int) -> None:
+        """A worker that loaded behind the first is ready: back to this process's priority, where the OS allows it."""
+        base = self._loading_behind.pop(wid, None)
+        if base is not None and not set_nice(self.handles[wid].pid, base):
+            log.info("worker %d keeps its lower CPU priority (raising it back is not allowed here) until a compiled "
+                     "worker replaces it", wid)
+
     def _next_swap(self, model: str) -> None:
         """Build the next compiled worker of `model`, if one is due: once its workers are up, none is being
         built and the last one retired has gone; or say that every active worker is compiled."""

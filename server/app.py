@@ -161,7 +161,6 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         return 1
     runtime.start()
 
-
     served = ModelCatalog()  # by name (its current version), "name@version", or the runtime's key
     for wc, _ in config.models:
         path = pathlib.Path(wc.model_path)
