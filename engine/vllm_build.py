@@ -188,6 +188,7 @@ def build_engine(config: WorkerConfig, worker_id: int = 0) -> tuple[LLMEngine, s
     if hasattr(torch, "cpu") and hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
     DecodeStreamPrimedAtACharacter.install()  # vLLM detokenizes with it
+    _count_ranks_eagerly()
     if not config.compile:
         return LLMEngine.from_engine_args(_engine_args(config, eager=True)), "eager"
     log.info("worker %d: compiling the model (about a minute the first time on this machine; "
@@ -198,6 +199,27 @@ def build_engine(config: WorkerConfig, worker_id: int = 0) -> tuple[LLMEngine, s
         # No fallback to eager here: vLLM's sampler compiles a kernel of its own in eager mode too, so
         # what stops a compile (no C++ compiler) mostly stops both; the message says what to try.
         raise RuntimeError(f"compiling the model failed ({first_line(e)}); `--compile off` runs it eagerly") from e
+
+
+def _count_ranks_eagerly() -> None:
+    """On a CPU, vLLM's sampler counts each logprob's rank eagerly here instead of through its torch.compile'd
+    `batched_count_greater_than`: the same integers, without tracing and compiling that function in every worker on
+    the first request that asks for log-probabilities (the self-check's probes do, so every start paid it), and
+    again when a new batch shape comes. The compile saves a copy of the logits on a GPU; on a CPU the copy is a
+    batch of booleans the size of the logits, a quarter of them."""
+    if torch.cuda.is_available():
+        return
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return
+    if hasattr(sampler, "batched_count_greater_than"):
+        sampler.batched_count_greater_than = _count_at_least
+
+
+def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of `x`, how many elements are at least that row's value (vLLM's batched_count_greater_than)."""
+    return (x >= values).sum(-1)
 
 
 # How a compiled engine is compiled. TorchInductor fuses bf16 operations and keeps their

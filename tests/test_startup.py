@@ -2,7 +2,8 @@
 
 A spawned worker imports the parent's main module again, so the `tokenline` command's module stays light; the eager
 workers beyond a model's first load at a lower CPU priority, so that on a small machine the first one is ready
-sooner.
+sooner; and the rank count vLLM would compile on a worker's first log-probabilities (the self-check's) runs eagerly,
+giving the same integers.
 """
 
 from __future__ import annotations
@@ -105,3 +106,16 @@ def test_eager_workers_beyond_the_first_load_at_a_lower_cpu_priority_until_ready
             await sup.close(timeout=1.0)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.engine
+def test_the_eager_rank_count_gives_vllms_integers_ties_included():
+    import torch
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    from tokenline.engine.vllm_build import _count_at_least
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 301).round(decimals=1)  # rounded: many ties with the chosen values
+    chosen = logits[torch.arange(7), torch.randint(0, 301, (7,))].unsqueeze(-1)
+    assert torch.equal(_count_at_least(logits, chosen), batched_count_greater_than(logits, chosen))
