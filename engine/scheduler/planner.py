@@ -25,20 +25,21 @@ class StepPlanner:
     def plan(self, w: WorkerView, model: ModelState) -> StepPlan:
         """The plan for what now runs on `w`."""
         interactive = [e for e in w.running.values() if e.cls == TrafficClass.INTERACTIVE]
+        ttft_target = self.ttft_target(w, model)
         bulk_decoding = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK and e.prefilled)
         load = WorkerLoad(interactive=len(interactive),
                           interactive_prefill=sum(e.prompt_tokens + e.generated for e in interactive if not e.prefilled),
                           bulk=bulk_decoding,
                           interactive_decoding=sum(1 for e in interactive if e.prefilled),
                           bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding,
-                          interactive_prefill_due=self.prefill_due(w, model, interactive))
+                          interactive_prefill_due=self.prefill_due(w, interactive, ttft_target))
         pace, single = w.pace, w.pace.single()
         # `share` only sizes the TTFT guard (share × TTFT target), by its own set point: the ITL steps follow the
         # step budget.
         return compose_step(load, pace.cadence, self.itl_target(interactive, single),
                             share=self.config.ttft_set_point, min_bulk=self.config.min_bulk_decode,
                             step_budget_s=self.step_budget(w, interactive, single),
-                            ttft_target_s=self.ttft_target(w, model),
+                            ttft_target_s=ttft_target,
                             typical_prompt=round(model.interactive_prompt_tokens), single_step_s=pace.single_step_s,
                             prefill_token_s=pace.prefill_token_s, bulk_prompt_per_output=model.bulk_prompt_per_output)
 
@@ -76,7 +77,7 @@ class StepPlanner:
         idle_first_token_s = pace.single() + pace.line(1)[2] * model.interactive_prompt_tokens
         return self.config.interactive.ttft_target_for(idle_first_token_s, self.config.ttft_target_floor_s)
 
-    def prefill_due(self, w: WorkerView, model: ModelState, interactive: list[Entry]) -> int:
+    def prefill_due(self, w: WorkerView, interactive: list[Entry], target: float | None) -> int:
         """Prompt tokens the worker's next step must compute so that each interactive prompt it owes still
         gets its first token within the TTFT target (at the guard's set point): each prompt's share of the
         steps left before then, the whole of it when one step or none is left. The ITL target chunks owed
@@ -84,7 +85,6 @@ class StepPlanner:
         late (measured: with only the minimum chunk, an all-interactive flood's later prompts took 16 tokens
         a step, their first tokens came a minute late and the batch drained). A prompt's progress is not
         reported, so its whole length counts as owed until its first token: the chunk only errs larger."""
-        target = self.ttft_target(w, model)
         owed = [e for e in interactive if not e.prefilled]
         if target is None or not owed:
             return 0
