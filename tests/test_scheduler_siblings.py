@@ -113,12 +113,37 @@ def test_the_groups_row_goes_with_its_last_sample():
 
 def test_a_sample_beside_its_sibling_is_charged_only_the_prompt_the_prefix_cache_lacks():
     # 256-token prompts, 128-token blocks: a sibling on the worker holds the first block (vLLM computes at least
-    # the last token, so not the second), so a 512-token step takes three of a call's samples, not two.
+    # the last token, so not the second). A 512-token step takes two separate requests; a call's four samples
+    # all go, the ones past the step's room riding with their siblings (their tails computed in the next step).
     def first_round(group: str | None) -> tuple[int, int]:
         s = scheduler()
         s.add_worker(worker_spec(0, max_seqs=32, continuous=True, model="sim", block_size=128, prefill_token_budget=512))
         took = sum(len(placed(s.submit(sample(f"a{i}", group)))) for i in range(4))
         return took, sum(n for n, _ in s.workers[0].pending_prefill.values())
 
-    assert first_round("a") == (3, 256 + 128 + 128)
+    assert first_round("a") == (4, 256 + 3 * 128)
     assert first_round(None) == (2, 512)  # separate requests with the same prompt are charged in full, as before
+
+
+def test_at_saturation_a_calls_samples_stay_on_one_worker_so_its_shared_prompt_is_computed_once():
+    # bench features' n = 4 run: 64 calls of four 256-token samples at once, two workers of 80 slots and 512-token
+    # steps. Charged as saved but held to the step's room, a call's fourth sample went to whichever worker reported
+    # next: 53 of 64 calls ran on both workers (47,744 prompt tokens computed where one engine computes 40,960).
+    specs = [(worker_spec(i, max_seqs=80, continuous=True, block_size=128, prefill_token_budget=512),
+              linear_cost(0.1, 0.0106, 0.004)) for i in range(2)]
+    sim = Simulation(SchedulerConfig(bulk_floor=0.0), specs)
+    where: dict[str, tuple[int, int]] = {}
+    placed_first = sim.scheduler.siblings.placed
+
+    def spy(e: Entry, wid: int) -> None:
+        placed_first(e, wid)
+        where.setdefault(e.key, (wid, e.cached_prompt))
+
+    sim.scheduler.siblings.placed = spy
+    out = sim.run([SimRequest(f"c{c}s{i}", 0.0, prompt_tokens=256, max_tokens=32, group=f"c{c}")
+                   for c in range(64) for i in range(4)])
+    assert all(o.status == "finished" for o in out.values())
+    split = [c for c in range(64) if len({where[f"c{c}s{i}"][0] for i in range(4)}) > 1]
+    assert len(split) <= 4, split
+    assert sum(256 - cached for _, cached in where.values()) <= 64 * (256 + 3 * 128) + 4 * 128
+    assert {wid for wid, _ in where.values()} == {0, 1}  # the calls themselves still use both workers

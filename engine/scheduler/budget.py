@@ -84,7 +84,13 @@ class StepBudget:
         if entry.cls == TrafficClass.INTERACTIVE and blocks_at_most(entry, self.block_size) > self.blocks:
             return False
         room, fresh = self._prompt_room(entry.cls)
-        return self.prompt_tokens(entry) <= room or fresh
+        # A call's sample beside a sibling rides with it past the step's prompt room: its shared blocks are the
+        # sibling's (vLLM computes the rest in a later step, on this worker); sent elsewhere, it computes the whole
+        # prompt again (placement.py).
+        return self.prompt_tokens(entry) <= room or fresh or self.rides_with_sibling(entry)
+
+    def rides_with_sibling(self, entry: Entry) -> bool:
+        return self.cached is not None and self.cached(entry) > 0
 
     def try_admit(self, entry: Entry) -> bool:
         if not self.fits(entry):

@@ -283,12 +283,13 @@ class Scheduler:
         moved = False
         while queue:
             e = queue.peek()
-            candidates = [wid for wid in r.workers if fires[wid] and r.open[wid]
+            candidates = [wid for wid in r.workers if (fires[wid] or r.budgets[wid].rides_with_sibling(e)) and r.open[wid]
                           and self.rules.can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
             if not candidates:
                 return moved  # the head fits nowhere now: it keeps its place
             # A worker running a crash's survivors may crash again: new work goes to a clean one if it can; a
-            # call's sample to where its first sample went, if that worker is a candidate (placement.py).
+            # call's sample to where its first sample went, if that worker is a candidate (placement.py), which it is
+            # while it has a slot: a sample rides with its sibling past the dispatch rule and step room (budget.py).
             wid = self.siblings.choose(e, candidates, key=lambda i: (self.crashes.holds_crashed(i, r),
                                                                      self.admission.first_token_at(e, self.workers[i], now)))
             w = self.workers[wid]
