@@ -74,6 +74,7 @@ FEATURES_EXAMPLES = """examples:
   tokenline bench features --model tiny                    # a minute or two
   tokenline bench features                                 # the default model: several minutes
   tokenline bench features --model tiny --skip vllm        # tokenline alone
+  tokenline bench features --rounds 3                      # each ratio the median of three rounds, with its range
 
 Starts tokenline (its defaults) and vllm serve (its own) one after the other and drives each at saturation
 four times: plain requests, logprobs (top 5) on every token, n = 4 samples, a JSON schema. Prints each
@@ -197,6 +198,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _side_by_side_args(feat, "features", "requests sent at once per variant")
 
     doors = sub.add_parser("doors", help="the HTTP door against vllm serve (vllm bench serve) and against the gRPC door",
+    feat.add_argument("--rounds", type=int, default=1,
+                      help="measure everything this many times on fresh servers, alternating; the ratios are the "
+                           "rounds' medians, with their range (default %(default)s)")
                            epilog=DOORS_EXAMPLES, formatter_class=_formatter)
     _side_by_side_args(doors, "doors", "requests sent at once")
 

@@ -289,9 +289,11 @@ def cmd_doors(args: argparse.Namespace) -> int:
 
 
 def cmd_features(args: argparse.Namespace) -> int:
+    from functools import partial
+
     from tokenline.bench.features import features
 
-    return _side_by_side(args, "features", features)
+    return _side_by_side(args, "features", partial(features, rounds=args.rounds))
 
 
 def _side_by_side(args: argparse.Namespace, name: str, measure) -> int:  # noqa: ANN001

@@ -7,10 +7,11 @@ import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from tokenline.bench.features import SCHEMA, format_features, variant_stream
+from tokenline.bench.features import SCHEMA, format_features, summarize, variant_stream
 from tokenline.bench.targets import OpenAITarget
 from tokenline.bench.workload import PlannedRequest, parse_stream
 
@@ -62,3 +63,18 @@ def test_bench_features_measures_every_variant_on_a_real_server(tmp_path):
     assert all(tok_s[v] and tok_s[v] > 0 for v in ("plain", "logprobs", "n4", "json")), tok_s
     assert set(report["ratio_to_plain"]["tokenline"]) == {"logprobs", "n4", "json"}
     assert "feature cost at saturation" in out.stdout
+
+
+def test_over_several_rounds_a_features_cost_is_the_median_of_each_rounds_own_ratio():
+    spec = SimpleNamespace(settings=SimpleNamespace(), requests=64, input_len=256, output_len=128)
+    rounds = [{"tokenline": {"plain": 100.0, "logprobs": 90.0, "n4": 120.0, "json": 95.0}},
+              {"tokenline": {"plain": 50.0, "logprobs": 50.0, "n4": 70.0, "json": None}},  # a slow round
+              {"tokenline": {"plain": 110.0, "logprobs": 88.0, "n4": 132.0, "json": 99.0}}]
+    report = summarize(spec, rounds)
+    got = report["ratio_to_plain"]["tokenline"]
+    # Each round's ratio, then their median: the slow round's 1.0 and 1.4 count as ratios, not as tok/s.
+    assert got["logprobs"] == pytest.approx(0.9) and got["n4"] == pytest.approx(1.2)
+    assert got["json"] == pytest.approx((0.95 + 0.9) / 2)  # a round that did not measure it is left out
+    assert report["throughput"]["tokenline"]["plain"] == 100.0
+    text = re.sub(r" +", " ", format_features(report))
+    assert "| n4 | 120 tok/s (1.20×, 1.20–1.40) |" in text and "medians of 3 rounds" in text
