@@ -46,7 +46,7 @@ MAX_TOKENS_PER_READ = 4096
 
 _COLUMNS = ("job_id", "tenant", "idempotency_key", "fingerprint", "model", "request", "prompt_ids", "sampling",
             "cls", "deadline", "state", "attempts", "lease_owner", "lease_expires", "fence", "tokens",
-            "finish_reason", "error", "created", "finished", "not_before", "refusals")
+            "finish_reason", "error", "created", "finished", "not_before", "refusals", "model_version")
 # What a list shows: everything but the request itself (megabytes at worst), read only to run a job.
 _LISTED = tuple(c for c in _COLUMNS if c not in ("request", "prompt_ids", "sampling"))
 
@@ -73,7 +73,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     created {real} NOT NULL,
     finished {real},
     not_before {real},                  -- a queued job refused for now is not claimed before this (Unix time)
-    refusals INTEGER NOT NULL DEFAULT 0 -- times the scheduler refused it for now (its backoff, not attempts)
+    refusals INTEGER NOT NULL DEFAULT 0,-- times the scheduler refused it for now (its backoff, not attempts)
+    model_version TEXT                  -- the version of `model` its tokens come from (ServedModel.version): set at
+                                        -- submission when the request named one ("name@version"), else with its
+                                        -- first stored tokens (NULL: no token yet, or a row from before it was kept)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (tenant, idempotency_key) WHERE idempotency_key <> '';
 CREATE INDEX IF NOT EXISTS jobs_claimable ON jobs (state, created);
@@ -116,6 +119,7 @@ class JobRecord:
     finished: float | None
     not_before: float | None = None
     refusals: int = 0
+    model_version: str | None = None
 
     @property
     def final(self) -> bool:
@@ -136,6 +140,7 @@ class NewJob:
     sampling: dict
     cls: int
     deadline: float | None
+    model_version: str | None = None  # the request named "model@version": the job runs on that version only
 
 
 class JobStore(SqlStore):
@@ -150,7 +155,7 @@ class JobStore(SqlStore):
         else:
             self._script(_SCHEMA.format(blob="BLOB", real="REAL"))
         self._add_columns("jobs", {"not_before": "DOUBLE PRECISION" if self.postgres else "REAL",
-                                   "refusals": "INTEGER NOT NULL DEFAULT 0"})
+                                   "refusals": "INTEGER NOT NULL DEFAULT 0", "model_version": "TEXT"})
 
     def _add_columns(self, table: str, columns: dict[str, str]) -> None:
         """Columns added since a store was created (an older server's file or database)."""
@@ -181,9 +186,10 @@ class JobStore(SqlStore):
                 return self._same_work(found, job), False
         try:
             self._x("INSERT INTO jobs (job_id, tenant, idempotency_key, fingerprint, model, request, prompt_ids, sampling, "
-                    "cls, deadline, state, created) VALUES (?,?,?,?,?,?,?,?,?,?,'queued',?)",
+                    "cls, deadline, state, created, model_version) VALUES (?,?,?,?,?,?,?,?,?,?,'queued',?,?)",
                     (job.job_id, job.tenant, job.idempotency_key, job.fingerprint, job.model, job.request,
-                     json.dumps(job.prompt_ids), json.dumps(job.sampling), job.cls, job.deadline, self._now()))
+                     json.dumps(job.prompt_ids), json.dumps(job.sampling), job.cls, job.deadline, self._now(),
+                     job.model_version))
         except Exception as err:
             # Another frontend recorded the same key between our look and our write.
             found = self._by_key(job.tenant, job.idempotency_key) if job.idempotency_key else None
@@ -293,23 +299,27 @@ class JobStore(SqlStore):
     def _get_any(self, job_id: str) -> JobRecord:
         return _record(self._x(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE job_id=?", (job_id,)).fetchone())
 
-    def append(self, job_id: str, fence: int, start: int, tokens: list[tuple[int, str]], lease_s: float) -> None:
-        """Store tokens from index `start` (which must be the next one), renewing the lease."""
+    def append(self, job_id: str, fence: int, start: int, tokens: list[tuple[int, str]], lease_s: float,
+               model_version: str | None = None) -> None:
+        """Store tokens from index `start` (which must be the next one), renewing the lease. `model_version`: the
+        version that generated them, kept with the first tokens (a continuation must stay on it)."""
         with self._transaction():
-            self._owned_write("UPDATE jobs SET tokens=tokens+?, lease_expires=? WHERE job_id=? AND fence=? "
-                              "AND state='running' AND tokens=?",
-                              (len(tokens), self._now() + lease_s, job_id, fence, start))
+            self._owned_write("UPDATE jobs SET tokens=tokens+?, lease_expires=?, model_version=COALESCE(model_version, ?) "
+                              "WHERE job_id=? AND fence=? AND state='running' AND tokens=?",
+                              (len(tokens), self._now() + lease_s, model_version, job_id, fence, start))
             self._insert_tokens(job_id, start, tokens)
 
     def finish(self, job_id: str, fence: int, start: int, tokens: list[tuple[int, str]], state: str,
-               finish_reason: str | None, error: str | None) -> None:
+               finish_reason: str | None, error: str | None, model_version: str | None = None) -> None:
         """Store the last tokens and the outcome in one transaction: a job completes once."""
         if state not in FINAL_STATES:
             raise ValueError(f"not a final state: {state}")
         with self._transaction():
             self._owned_write("UPDATE jobs SET tokens=tokens+?, state=?, finish_reason=?, error=?, finished=?, "
-                              "lease_owner=NULL WHERE job_id=? AND fence=? AND state='running' AND tokens=?",
-                              (len(tokens), state, finish_reason, error, self._now(), job_id, fence, start))
+                              "lease_owner=NULL, model_version=COALESCE(model_version, ?) "
+                              "WHERE job_id=? AND fence=? AND state='running' AND tokens=?",
+                              (len(tokens), state, finish_reason, error, self._now(), model_version, job_id, fence,
+                               start))
             self._insert_tokens(job_id, start, tokens)
 
     def renew(self, leases: list[tuple[str, int]], lease_s: float) -> list[str]:

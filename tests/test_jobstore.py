@@ -31,9 +31,10 @@ def stores(target):
     b.close()
 
 
-def new_job(job_id, key="", fingerprint="fp", tenant="acme", deadline=None):
+def new_job(job_id, key="", fingerprint="fp", tenant="acme", deadline=None, model_version=None):
     return NewJob(job_id=job_id, tenant=tenant, idempotency_key=key, fingerprint=fingerprint, model="tiny",
-                  request=b"\x00request", prompt_ids=[1, 2, 3], sampling={"max_tokens": 8}, cls=2, deadline=deadline)
+                  request=b"\x00request", prompt_ids=[1, 2, 3], sampling={"max_tokens": 8}, cls=2, deadline=deadline,
+                  model_version=model_version)
 
 
 def test_a_key_records_one_job_and_refuses_different_work(stores):
@@ -185,7 +186,39 @@ def test_a_store_made_by_an_older_server_gains_the_new_columns(tmp_path):
     store = JobStore(str(path))
     try:
         (job,) = store.claim("frontend-a", LEASE_S, 10, 5)
-        assert (job.job_id, job.refusals, job.not_before) == ("j1", 0, None)
+        assert (job.job_id, job.refusals, job.not_before, job.model_version) == ("j1", 0, None, None)
+        store.append("j1", job.fence, 0, [(5, "a")], LEASE_S, "v1")
+        assert store.get("acme", "j1").model_version == "v1"
+    finally:
+        store.close()
+
+
+def test_a_job_keeps_the_model_version_its_first_tokens_came_from(stores):
+    a, b = stores
+    a.submit(new_job("j1"))
+    a.submit(new_job("j2", model_version="v9"))  # submitted naming "tiny@v9"
+    fences = {job.job_id: job.fence for job in a.claim("frontend-a", LEASE_S, 10, 5)}
+    assert b.get("acme", "j1").model_version is None  # no token yet: it may start on any version
+    a.append("j1", fences["j1"], 0, [(5, "a")], LEASE_S, "v1")
+    a.append("j1", fences["j1"], 1, [(6, "b")], LEASE_S, "v2")  # a continuation never re-labels what was stored
+    a.finish("j2", fences["j2"], 0, [(7, "c")], "succeeded", "length", None, "v3")
+    assert (b.get("acme", "j1").model_version, b.get("acme", "j2").model_version) == ("v1", "v9")
+
+
+def test_a_postgresql_store_from_before_model_versions_gains_the_column(postgres):  # noqa: F811
+    target = postgres.database()  # (SQLite: test_a_store_made_by_an_older_server_gains_the_new_columns)
+    store = JobStore(target)
+    try:
+        store.submit(new_job("j1"))
+        store._x("ALTER TABLE jobs DROP COLUMN model_version")  # the table as an older server made it
+    finally:
+        store.close()
+    store = JobStore(target)
+    try:
+        (job,) = store.claim("frontend-a", LEASE_S, 10, 5)
+        assert (job.job_id, job.model_version) == ("j1", None)
+        store.append("j1", job.fence, 0, [(5, "a")], LEASE_S, "v1")
+        assert store.get("acme", "j1").model_version == "v1"
     finally:
         store.close()
 
