@@ -1,7 +1,7 @@
 """`bench structured`: structured output that holds through failure — every output parses and validates.
 
-One tokenline server (started here, 8 sequences per worker and no slot held for interactive streams,
-so that an interactive arrival preempts a bulk run) serves `requests` JSON-schema requests, each
+One tokenline server (started here with as many sequences per worker as the preempted phase needs, no slot
+held for interactive streams and no bulk floor, so that an interactive arrival preempts any bulk run) serves `requests` JSON-schema requests, each
 with a schema drawn from a fixed set, half greedy and half sampled:
 1. the plain share, `concurrency` at a time;
 2. `killed` at once, whose workers are SIGKILLed once every one of them has streamed tokens: each
@@ -198,7 +198,9 @@ async def structured(settings: Any, plan: Plan, out_dir: Path, *, log=print) -> 
     from tokenline.bench.servers import start_tokenline
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    with start_tokenline(settings, out_dir / "logs" / "tokenline.log") as server:
+    # No bulk floor: with serve's default (a tenth of the slots kept for bulk) one bulk run per worker is never
+    # preempted, and the preempted phase interrupted 18 of its 20.
+    with start_tokenline(settings, out_dir / "logs" / "tokenline.log", extra_args=("--bulk-floor", "0")) as server:
         outcomes = await run(plan, server.address, server.process.pid, log=log)
     summary = summarise(outcomes)
     (out_dir / "structured.json").write_text(json.dumps(summary, indent=2) + "\n")
