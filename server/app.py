@@ -206,7 +206,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
             await runtime.close()
             await asyncio.to_thread(telemetry.shutdown)
             return 1
-        jobs = servicer.job_rpcs.jobs = JobRunner(job_store, runtime, config.jobs, reads, revoked=servicer.auth.revoked)
+        jobs = servicer.job_rpcs.jobs = JobRunner(job_store, runtime, config.jobs, reads, revoked=servicer.auth.revoked,
+                                                   models=served)
     web = None
     if config.web is not None:
         from tokenline.server.web_server import WebServer

@@ -40,6 +40,11 @@ class ServedModel:
         """The name that always means this version (GenerateRequest.model "name@version"), whatever is current."""
         return f"{self.name}@{self.version}"
 
+    def asked_as(self, asked: str) -> str:
+        """What a caller naming this version `asked` asked for: "name" (whichever version is current when it
+        runs) or "name@version" (this one). Two calls are the same request only if they asked the same."""
+        return self.name if asked == self.name else self.pinned
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

@@ -209,10 +209,13 @@ class JobRpcs:
         deadline = gen.deadline_unix_ms / 1000.0 if gen.deadline_unix_ms else None
         if deadline is not None and deadline <= time.time():
             raise DeadlineUnmeetable("the job's deadline (request.deadline_unix_ms) has already passed")
+        # "name": the job takes the version current when it starts; "name@version": that version only.
+        asked = valid.model.asked_as(gen.model or self.default_model)
         return NewJob(job_id=uuid.uuid4().hex, tenant=tenant, idempotency_key=key,
-                      fingerprint=job_fingerprint(valid.model.name, valid.sampling, valid.prompt_ids),
+                      fingerprint=job_fingerprint(asked, valid.sampling, valid.prompt_ids),
                       model=valid.model.name, request=gen.SerializeToString(), prompt_ids=valid.prompt_ids,
-                      sampling=dataclasses.asdict(valid.sampling), cls=int(valid.cls), deadline=deadline)
+                      sampling=dataclasses.asdict(valid.sampling), cls=int(valid.cls), deadline=deadline,
+                      model_version=valid.model.version if asked != valid.model.name else None)
 
 
 def job_pb(job: JobRecord) -> pb.Job:

@@ -11,6 +11,16 @@ and every write it still attempts is fenced by the store.
 
 Each job that reaches its end state here is logged once ("job … ended …"),
 which `bench jobs` counts across frontends.
+
+Model versions (server/catalog.py): a job's output comes from one version. The version is
+fixed when the job's first tokens are stored (or at submission, when the request named
+"model@version"), and the store keeps it; until then nothing of the job was shown, so a job
+with no token yet starts on its model's current version wherever it is claimed (a job queued
+through a rollout runs on the new version, as a request sent then would). A job with stored
+tokens continues only on the version that made them; where that version is not served (any
+more), or is draining after a rollout, the job ends failed and says so: it never continues on
+another version. Rows from before versions were stored continue on the current version, as
+the servers that wrote them did (logged).
 """
 
 from __future__ import annotations
@@ -24,12 +34,13 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tokenline.engine.flagspec import flag
 
 from tokenline.engine.types import FinishReason, Sampling, TrafficClass
+from tokenline.server.catalog import ServedModel
 from tokenline.server.errors import DeadlineUnmeetable, Overloaded, ServingError, Unavailable
 from tokenline.server.jobstore import Fenced, JobRecord, JobStore
 from tokenline.server.runtime import RequestKey, RequestState, Runtime
@@ -105,8 +116,9 @@ class JobRunner:
     a renewal past its lease."""
 
     def __init__(self, store: JobStore, runtime: Runtime, config: JobConfig, reads: JobStore | None = None,
-                 revoked: Callable[[str], bool] = lambda tenant: False):
+                 revoked: Callable[[str], bool] = lambda tenant: False, *, models: Mapping[str, ServedModel]):
         self.store = store
+        self.models = models  # the catalog (server/catalog.py): "name" or "name@version" -> that version
         self.reads = reads or store
         self.revoked = revoked  # a tenant whose keys were all revoked: its jobs stop, queued or running
         self.runtime = runtime
@@ -248,7 +260,12 @@ class JobRunner:
         if self.revoked(job.tenant):
             await self._end(job, len(stored), [], "cancelled", FinishReason.CANCELLED, REVOKED)
             return
-        state = self._state(job, sampling, stored)
+        served = self._version(job, bool(stored))
+        if isinstance(served, str):
+            await self._end(job, len(stored), [], "failed", None, served)
+            return
+        running.version = served.version
+        state = self._state(job, served, sampling, stored)
         mailbox = state.subscribe(len(stored))
         try:
             self.runtime.submit(state)
@@ -295,12 +312,31 @@ class JobRunner:
             outcome, reason, message = "expired", state.finish_reason, "the job's deadline passed before it finished"
         else:  # cancelled: CancelJob already ended it in the store
             outcome, reason, message = "cancelled", state.finish_reason, None
-        await self._end(job, checkpoint.stored, checkpoint.take(), outcome, reason, message)
+        await self._end(job, checkpoint.stored, checkpoint.take(), outcome, reason, message, running.version)
 
-    def _state(self, job: JobRecord, sampling: Sampling, stored: list[tuple[int, str]]) -> RequestState:
+    def _version(self, job: JobRecord, started: bool) -> ServedModel | str:
+        """The version this job runs on here (see the module's docstring), or why it cannot run."""
+        if job.model_version is None:
+            served = self.models.get(job.model)
+            if served is None:
+                return f"model {job.model!r} is no longer served here; the job was not started: submit it again"
+            if started:
+                log.warning("job %s: its stored tokens do not say which version of %s made them (stored by an older "
+                            "server); it continues on the current version, %s", job.job_id, job.model, served.version)
+            return served
+        pinned = f"{job.model}@{job.model_version}"
+        served = self.models.get(pinned)
+        if served is None or served.key in self.runtime.closed_models:
+            done = "it ran on" if started else "it asked for"
+            return (f"{done} model version {pinned}, which this server no longer serves (another version replaced "
+                    "it); it does not continue on another version: submit the job again")
+        return served
+
+    def _state(self, job: JobRecord, served: ServedModel, sampling: Sampling,
+               stored: list[tuple[int, str]]) -> RequestState:
         now = time.monotonic()
         deadline = None if job.deadline is None else now + (job.deadline - time.time())
-        state = RequestState(key=RequestKey(job.tenant, f"job:{job.job_id}"), model=job.model, cls=TrafficClass(job.cls),
+        state = RequestState(key=RequestKey(job.tenant, f"job:{job.job_id}"), model=served.key, cls=TrafficClass(job.cls),
                              prompt_ids=json.loads(job.prompt_ids), sampling=sampling,
                              timeline=Timeline(received=now, validated=now), deadline=deadline)
         if stored:
@@ -322,7 +358,8 @@ class JobRunner:
         if not batch:
             return True
         try:
-            await self.store.call("append", job.job_id, job.fence, checkpoint.stored, batch, self.config.lease_s)
+            await self.store.call("append", job.job_id, job.fence, checkpoint.stored, batch, self.config.lease_s,
+                                  running.version)
         except Unavailable:
             checkpoint.put_back(batch)  # kept in memory; written when the store answers again
             await asyncio.sleep(STORE_RETRY_S)
@@ -338,12 +375,14 @@ class JobRunner:
         return True
 
     async def _end(self, job: JobRecord, start: int, tokens: list, outcome: str, reason: FinishReason | None,
-                   message: str | None) -> None:
-        """Write the last tokens and the outcome; retried while the store is away (the job is accepted work)."""
+                   message: str | None, version: str | None = None) -> None:
+        """Write the last tokens (made by model `version`) and the outcome; retried while the store is away (the
+        job is accepted work)."""
         reason_name = reason.name.lower() if reason is not None else None
         while True:
             try:
-                await self.store.call("finish", job.job_id, job.fence, start, tokens, outcome, reason_name, message)
+                await self.store.call("finish", job.job_id, job.fence, start, tokens, outcome, reason_name, message,
+                                      version if tokens else None)
             except Unavailable:
                 if self._stopping:
                     return  # the lease expires; whoever takes the job over finishes it
@@ -384,6 +423,7 @@ class _Running:
     state: RequestState | None = None
     fenced: bool = False
     revoked: bool = False  # its tenant's keys were revoked while it ran
+    version: str | None = None  # the model version its run here generates with (stored with its first tokens)
 
 
 class _Checkpoint:
