@@ -123,6 +123,11 @@ def build_results(records: Sequence[RequestRecord], duration_s: float, streams: 
     classes = sorted({r.traffic_class for r in records} | {s.traffic_class for s in streams})
     results["classes"] = {c: summarize_records([r for r in records if r.traffic_class == c], duration_s, slos)
                           for c in classes}
+    models = sorted({s.model for s in streams if s.model})
+    if models:  # streams that name models: the same per model (a stream without one: the run's, "default")
+        named = {s.name: s.model or "default" for s in streams}
+        results["models"] = {m: summarize_records([r for r in records if named.get(r.stream) == m], duration_s, slos)
+                             for m in sorted(set(named.values()))}
     return results
 
 
@@ -146,6 +151,7 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
 def format_results(results: dict[str, Any], *, title: str = "") -> str:
     """The summary tables: latency and goodput per class and in total, then the server's split."""
     groups = [*results["classes"].items(), ("total", results)] if len(results["classes"]) > 1 else [("total", results)]
+    groups[-1:-1] = [(f"model {m}", g) for m, g in results.get("models", {}).items()]
     lat = table(
         ("class", "ok/offered", "goodput", "refused", "ttft p50", "ttft p99", "tpot p50", "itl p50", "itl p99",
          "e2e p50", "e2e p99", "out tok/s", "req/s"),

@@ -114,7 +114,7 @@ class TokenlineTarget:
         self._next = (self._next + 1) % len(self._clients)
         stream = client.generate(
             request.prompt_text, token_ids=None if request.prompt_text is not None else request.prompt_ids,
-            model=self.model, max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
+            model=request.model or self.model, max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
             ignore_eos=request.ignore_eos, traffic_class=request.traffic_class, deadline_s=remaining,
             require_completion=request.require_completion,
             logprobs=request.logprobs, n=request.n, json_schema=request.json_schema,
@@ -193,7 +193,7 @@ class OpenAITarget:
 
     def _body(self, request: PlannedRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": request.model or self.model,
             "prompt": request.prompt_text if request.prompt_text is not None else list(request.prompt_ids),
             "max_tokens": request.max_tokens, "temperature": request.temperature, "ignore_eos": request.ignore_eos,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,

@@ -6,6 +6,8 @@ A stream is written on the command line as comma-separated key=value pairs:
     name=batch,class=bulk,concurrency=8,input=1024,output=512-1024,deadline_ms=60000
 
 Lengths are `N`, `A-B` (uniform), `normal:MEAN:STD` or `lognormal:MEDIAN:SIGMA`.
+`model=NAME` (or `NAME@VERSION`) sends a stream's requests to that model of a server that serves several
+(default: the run's `--model`, else the server's default); the results are then also given per model.
 A stream with `rate` is open loop (arrival poisson, gamma with `burstiness`, or
 constant); one with `concurrency` is closed loop. Every request of the plan is
 derived from (seed, stream, index) alone, so a plan is the same on every run.
@@ -116,6 +118,7 @@ class StreamSpec:
     n: int = 1
     json_schema: str | None = None
     temperature: float = 0.0  # greedy unless set (n > 1 needs sampling: vLLM refuses greedy samples)
+    model: str | None = None  # the model its requests name ("name" or "name@version"); None: the run's
 
     def __post_init__(self) -> None:
         if self.traffic_class not in CLASSES:
@@ -157,7 +160,7 @@ class StreamSpec:
 
 _STREAM_KEYS = ("name", "class", "rate", "arrival", "burstiness", "concurrency", "input", "output", "deadline_ms",
                 "require_completion", "slo_ttft_ms", "slo_itl_ms", "slo_e2e_ms", "cancel", "ignore_eos", "prompts",
-                "logprobs", "n", "json_schema", "temperature")
+                "logprobs", "n", "json_schema", "temperature", "model")
 
 
 def parse_stream(text: str, *, default_name: str = "main") -> StreamSpec:
@@ -209,6 +212,7 @@ def stream_from_fields(fields: dict[str, Any], *, default_name: str = "main") ->
         n=int(number("n") or 1),
         json_schema=fields.get("json_schema") or None,
         temperature=number("temperature") or 0.0,
+        model=fields.get("model") or None,
     )
 
 
@@ -234,6 +238,7 @@ class PlannedRequest:
     # Not seeded: vllm serve (vLLM 0.32 on a CPU) crashes on a seeded request whose prompt is computed
     # over several steps (tokenline's worker does not: engine/vllm_schedule_hook.py rewindable_generators_on_cpu).
     seed: int | None = None
+    model: str | None = None  # the stream's model (None: the target's)
 
 
 class RequestFactory:
@@ -269,7 +274,7 @@ class RequestFactory:
             prompt_ids=prompt.token_ids, prompt_text=text, max_tokens=max_tokens, ignore_eos=s.ignore_eos,
             deadline_s=s.deadline_ms / 1000 if s.deadline_ms else None, cancel_after=cancel_after,
             require_completion=s.require_completion and bool(s.deadline_ms),
-            logprobs=s.logprobs, n=s.n, json_schema=self.schema, temperature=s.temperature,
+            logprobs=s.logprobs, n=s.n, json_schema=self.schema, temperature=s.temperature, model=s.model,
         )  # fmt: skip
 
 

@@ -55,3 +55,40 @@ def test_the_capacity_search_writes_its_points_and_plot(sim_server, tmp_path):
 def test_a_short_run_against_the_real_engine_writes_every_output_file(tiny_server, tmp_path):
     assert bench_run(tiny_server.address, tmp_path) == 0
     check_outputs(tmp_path)
+
+
+def test_a_run_against_several_models_sends_each_stream_to_its_model_and_reports_each(tmp_path):
+    from tests.support import ServerProcess
+
+    server = ServerProcess("--engine", "sim", "--model", "a=tiny", "--model", "b=tiny-trained", "--max-seqs", "8").start()
+    try:
+        code = main(["bench", "run", "--target", server.address, "--tokenizer", "tiny", "--quiet", "--out", str(tmp_path),
+                     "--num-requests", "24", "--seed", "3",
+                     "--stream", "name=chat,class=interactive,concurrency=2,input=16,output=8,model=a",
+                     "--stream", "name=batch,class=bulk,concurrency=2,input=32,output=8,model=b",
+                     "--stream", "name=typo,class=bulk,concurrency=1,input=32,output=8,model=nope"])
+    finally:
+        server.stop()
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    models = results["models"]
+    assert set(models) == {"a", "b", "nope"}
+    assert models["a"]["completed"] == models["a"]["offered"] > 0
+    assert models["b"]["completed"] == models["b"]["offered"] > 0
+    # Each stream named its own model: the one the server does not serve was refused, not served by another.
+    assert models["nope"]["completed"] == 0 and models["nope"]["offered"] > 0
+    lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert all("unknown model 'nope'" in line["error"] for line in lines if line["stream"] == "typo")
+    assert "model a" in (tmp_path / "summary.txt").read_text()
+
+
+def test_an_openai_target_names_the_streams_model_over_the_runs():
+    from tokenline.bench.targets import OpenAITarget
+    from tokenline.bench.workload import PlannedRequest
+
+    def body(model: str | None) -> dict:
+        return OpenAITarget("http://x", model="run-model")._body(PlannedRequest(
+            request_id="r", stream="s", traffic_class="bulk", at=None, prompt_ids=(1,), prompt_text=None, max_tokens=8,
+            ignore_eos=True, deadline_s=None, cancel_after=None, model=model))
+
+    assert body("b@v2")["model"] == "b@v2" and body(None)["model"] == "run-model"
