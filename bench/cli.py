@@ -137,6 +137,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_target_args(run)
     add_workload_args(run)
     run.add_argument("--attainment", type=float, help="exit 3 if a class's goodput is below this (e.g. 0.99)")
+    run.add_argument("--server-pid", type=int, help="the server's frontend process on this machine: report its CPU "
+                     "per output token (from /proc, over the run)")
     add_output_args(run)
 
     cap = sub.add_parser("capacity", help="find the highest rate at which every class meets its SLO",

@@ -150,7 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tokenline.bench.session import jsonable, results_document, run_once, write_outputs
 
     spec = spec_from_args(args)
-    outcome = run(run_once(spec, quiet=args.quiet))
+    outcome = run(run_once(spec, quiet=args.quiet, server_pid=args.server_pid))
     folder = out_dir(args, "run")
     summary = format_results(outcome.results, title=f"{spec.target} · {len(outcome.run.records)} requests · "
                                                     f"{outcome.results['duration']:.1f} s")

@@ -137,7 +137,7 @@ async def compare(spec: CompareSpec, out_dir: Path, *, log=print) -> dict[str, A
     async def measure(server: ServerProcess, name: str, bench: BenchSpec) -> Outcome | None:
         log(f"-- {server.kind}: {name.replace('-', ' ')}")
         try:
-            outcome = await run_once(bench, label=f"{server.kind} {name}")
+            outcome = await run_once(bench, label=f"{server.kind} {name}", server_pid=server.process.pid)
         except LoadGeneratorBehind as e:  # this run cannot be trusted; the others still can
             failed[f"{server.kind}/{name}"] = str(e)
             log(f"   not measured: {e}")
@@ -346,6 +346,10 @@ def format_comparison(report: dict[str, Any]) -> str:
                  value("vllm/mixed", "p99_ttft_ms", ".1f", "interactive"), "-", "-"))
     rows.append(("mixed: bulk output tok/s", value("tokenline/mixed", "output_throughput", ",.0f", "bulk"),
                  value("vllm/mixed", "output_throughput", ",.0f", "bulk"), "-", "-"))
+    cpu = [(runs[f"{k}/saturation"].get("server_cpu") or {}).get("us_per_output_token") if f"{k}/saturation" in runs else None
+           for k in ("tokenline", "vllm")]
+    rows.append(("saturation: frontend CPU µs/token", fmt(cpu[0], ".1f"), fmt(cpu[1], ".1f"), "-",
+                 fmt(cpu[0] / cpu[1] if cpu[0] and cpu[1] else None, ".2f")))
     for run in ("saturation", "c1", "mixed"):
         lags = [runs[f"{k}/{run}"]["send_lag_ms"]["p99"] if f"{k}/{run}" in runs else None for k in ("tokenline", "vllm")]
         rows.append((f"{run}: bench send lag p99 ms", fmt(lags[0], ".1f"), fmt(lags[1], ".1f"), "-", "-"))

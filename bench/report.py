@@ -186,6 +186,10 @@ def format_results(results: dict[str, Any], *, title: str = "") -> str:
     if lag["count"]:
         extra.append(f"send lag (actual − scheduled send) p50 {lag['p50']:.2f} ms, p99 {lag['p99']:.2f} ms, "
                      f"p99.9 {lag['p99.9']:.2f} ms")
+    cpu = results.get("server_cpu")
+    if cpu and cpu["us_per_output_token"] is not None:
+        extra.append(f"server frontend (pid {cpu['pid']}): {cpu['cpu_s']:.1f} CPU s, "
+                     f"{cpu['us_per_output_token']:.1f} µs per output token")
     gen = results.get("loadgen")
     if gen:
         extra.append(f"load generator: {100 * gen['cpu_share']:.0f}% of one core, event-loop lag p99 "

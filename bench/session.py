@@ -18,6 +18,7 @@ from tokenline.bench.prompts import FilePrompts, SyntheticPrompts, load_tokenize
 from tokenline.bench.records import RequestRecord
 from tokenline.bench.report import build_results
 from tokenline.bench.runner import RunOptions, RunResult, RunState, run_load
+from tokenline.bench.server_cpu import ServerCpu
 from tokenline.bench.targets import Target, make_target
 from tokenline.bench.workload import PlannedRequest, RequestFactory, StreamSpec, open_loop_plan
 
@@ -115,8 +116,9 @@ async def warm_up(target: Target, fs: Sequence[RequestFactory], n: int) -> None:
 
 
 async def run_once(spec: BenchSpec, *, target: Target | None = None, label: str = "", quiet: bool = False,
-                   stop_check: Callable[[RunState], str | None] | None = None) -> Outcome:
-    """Run `spec` against its target (or an already open `target`) and summarize it."""
+                   stop_check: Callable[[RunState], str | None] | None = None, server_pid: int | None = None) -> Outcome:
+    """Run `spec` against its target (or an already open `target`) and summarize it. `server_pid`: the
+    server's frontend process on this machine, whose CPU per output token the results then carry."""
     open_plan, fs = plan(spec)
     closed = [f for f in fs if not f.stream.open_loop]
     own = target is None
@@ -130,6 +132,7 @@ async def run_once(spec: BenchSpec, *, target: Target | None = None, label: str 
         options = RunOptions(duration_s=spec.duration_s, num_requests=spec.num_requests, drain_s=spec.drain_s,
                              max_lag_ms=spec.max_lag_ms, progress=None if quiet else Progress(label),
                              stop_check=stop_check)
+        cpu = ServerCpu.start(server_pid) if server_pid is not None else None
         result = await run_load(target, open_plan, closed, options)
     finally:
         if own:
@@ -137,6 +140,8 @@ async def run_once(spec: BenchSpec, *, target: Target | None = None, label: str 
     results = build_results(result.records, result.duration_s, spec.streams)
     results["stopped_early"] = result.stopped
     results["loadgen"] = result.loadgen
+    if cpu is not None:
+        results["server_cpu"] = cpu.result(sum(r.output_tokens for r in result.records))
     return Outcome(spec, result, results)
 
 

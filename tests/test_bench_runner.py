@@ -213,3 +213,29 @@ def test_only_the_engine_subprocess_modules_of_the_bench_import_vllm():
     code = "; ".join(f"import tokenline.bench.{m}" for m in modules) + "; import sys; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_servers_cpu_per_output_token_is_its_own_cpu_time_over_the_run_divided_by_the_tokens():
+    import subprocess
+    import sys
+
+    from tokenline.bench.server_cpu import ServerCpu
+
+    # A stand-in server: burns 0.3 s of CPU once told to, then idles (its idle time must not count).
+    code = ("import sys, time; sys.stdin.readline(); t = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\nprint('done', flush=True); time.sleep(30)")
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)  # its start-up (interpreter, imports) is before the window
+        cpu = ServerCpu.start(server.pid)
+        server.stdin.write("go\n")
+        server.stdin.flush()
+        assert server.stdout.readline().strip() == "done"
+        time.sleep(0.3)
+        result = cpu.result(output_tokens=1000)
+    finally:
+        server.kill()
+        server.wait()
+    assert 0.25 <= result["cpu_s"] <= 0.6
+    assert result["us_per_output_token"] == pytest.approx(result["cpu_s"] * 1e6 / 1000, rel=0.02)
+    assert ServerCpu.start(server.pid).result(1000) is None  # the process is gone: no figure, not a wrong one
