@@ -242,25 +242,41 @@ class Replay:
     token_text: tuple[str, ...] | None  # the stored result's text per token
 
 
+@dataclass(frozen=True)
+class _LiveRun:
+    state: RequestState
+    fingerprint: str  # what the key's first call asked (its model as named: "name" or "name@version")
+
+
 class NewRun:
     """Nothing to join: the caller starts a run and says so with `started`."""
 
-    def __init__(self, live: dict[tuple[str, str], RequestState], at: tuple[str, str]):
-        self._live, self._at = live, at
+    def __init__(self, live: dict[tuple[str, str], _LiveRun], at: tuple[str, str], fingerprint: str):
+        self._live, self._at, self._fingerprint = live, at, fingerprint
 
     def started(self, state: RequestState) -> None:
-        self._live[self._at] = state
+        if not state.done:  # one that ended as it was submitted has already freed its key (`finished`)
+            self._live[self._at] = _LiveRun(state, self._fingerprint)
 
 
 class Idempotency:
     """What a keyed call does: attach to the key's live run, replay its stored result (waiting for
     it while another live frontend runs the key), or start a new run. One call at a time per key
     decides; results are stored as runs end (`finished`, a runtime hook). Without a store, only
-    live runs are joined."""
+    live runs are joined.
+
+    Model versions (server/catalog.py): a key's fingerprint holds the model as the call named it, so a
+    call naming "name" matches an earlier one naming "name" whichever version is current now, and is
+    answered by the run it started (attached, or its stored result): on the version that run used,
+    never spliced with another. A call naming "name@v2" is different work from one that named
+    "name@v1" (or "name"). A run that died without a result (its frontend's lease lapsed, or a
+    restart) runs again whole from token 0 on what the call names; a stream resumed from an index
+    continues only a live run or a stored result, so no output is ever continued on another version.
+    """
 
     def __init__(self, store: IdempotencyStore | None):
         self.store = store
-        self._live: dict[tuple[str, str], RequestState] = {}  # (tenant, key) -> its running request
+        self._live: dict[tuple[str, str], _LiveRun] = {}  # (tenant, key) -> its running request
         self._locks: dict[tuple[str, str], _KeyLock] = {}
 
     @contextlib.asynccontextmanager
@@ -277,7 +293,7 @@ class Idempotency:
                     break
                 # Another frontend began this key between our look and our write: look again.
             try:
-                yield NewRun(self._live, (tenant, key))
+                yield NewRun(self._live, (tenant, key), fingerprint)
             except ServingError:
                 if self.store is not None:
                     _in_background(self.store.abandon(tenant, key))
@@ -297,12 +313,15 @@ class Idempotency:
         """A run ended: store its result (a normal finish), or free its key for a new run."""
         if not state.idempotency_key:
             return
-        self._live.pop((state.tenant, state.idempotency_key), None)
+        at = (state.tenant, state.idempotency_key)
+        live = self._live.pop(at) if at in self._live and self._live[at].state is state else None
         if self.store is None:
             return
         # Queued to the store's thread now (a later lookup is queued after it); failures are logged there.
-        if state.error is None and state.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING):
-            _in_background(self.store.complete(state.tenant, state.idempotency_key, state.fingerprint,
+        # A run that ended before it was recorded as the key's (refused as it was submitted) frees the key.
+        if live is not None and state.error is None and state.finish_reason in (
+                FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_STRING):
+            _in_background(self.store.complete(state.tenant, state.idempotency_key, live.fingerprint,
                                                responses.complete_response(state).SerializeToString(), state.text))
         else:
             _in_background(self.store.abandon(state.tenant, state.idempotency_key))
@@ -319,8 +338,8 @@ class Idempotency:
             if live.fingerprint != fingerprint:
                 raise IdempotencyMismatch(_mismatch(key))
             if resume_from:
-                _same_run(request, live.request_id)
-            return Attach(live)
+                _same_run(request, live.state.request_id)
+            return Attach(live.state)
         stored = await self.store.lookup(tenant, key) if self.store is not None else None
         if stored is not None and stored.fingerprint != fingerprint:
             raise IdempotencyMismatch(_mismatch(key))
@@ -373,5 +392,5 @@ def _in_background(future: asyncio.Future) -> None:
 
 
 def _mismatch(key: str) -> str:
-    return (f"idempotency key {key!r} was used for a different request (model, prompt or sampling differ); "
-            "use a new key for new work")
+    return (f"idempotency key {key!r} was used for a different request (model or the version it names, prompt or "
+            "sampling differ); use a new key for new work")

@@ -238,7 +238,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             return replace(self._run_samples(request, context, received, tenant, valid), **tooled)
         if not key:
             return replace(self._run(request, context, received, tenant, valid, key), **tooled)
-        async with self.keys.decide(tenant, key, fingerprint(valid.model.name, valid.sampling, valid.prompt_ids), request) as found:
+        asked = valid.model.asked_as(request.model or self.default_model)  # "name", or a pinned "name@version"
+        async with self.keys.decide(tenant, key, fingerprint(asked, valid.sampling, valid.prompt_ids), request) as found:
             if isinstance(found, Attach):
                 self._may_attach(tenant, found.state)
                 self.attached[tenant] += 1

@@ -3,30 +3,39 @@ their output came from, or fail saying so; none ever continues on another versio
 
 One server for the module: model "a" serves tiny-trained, "b" serves tiny, with a SQLite job store. Before it
 starts, the store holds what a frontend that died mid-job leaves there: jobs whose lease lapsed with their first
-tokens stored (greedy for tiny), and a job it never started. The Float32Judges tell the two models' greedy tokens
-apart (tiny-trained's margins are real; tiny's logits are near-flat).
+tokens stored (greedy for tiny), and a job it never started. The server then rolls "a" out to tiny while a stream
+runs on tiny-trained, and that stream's worker is killed once its version is draining. The Float32Judges tell
+the two models' greedy tokens apart (tiny-trained's margins are real; tiny's logits are near-flat).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import signal
 import uuid
 
+import grpc
 import pytest
 
 from tests.greedy import Float32Judge
 from tests.support import ServerProcess, wait_until
 from tokenline.client import Client
+from tokenline.client.errors import Refused, TokenlineError, Unavailable
 from tokenline.engine.models import model_version, resolve_model
 from tokenline.engine.types import Sampling, TrafficClass
 from tokenline.server.auth import DEFAULT_TENANT
 from tokenline.server.jobstore import JobStore, NewJob
+from tokenline.v1 import tokenline_pb2 as pb
+from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.engine
 
 TOKENS, STORED = 32, 8  # a job's length, and the tokens the dead frontend stored
 STARTED_A, STARTED_B, UNSTARTED = (uuid.uuid4().hex for _ in range(3))
 PROMPTS = {STARTED_A: [11, 23, 5, 42], STARTED_B: [12, 23, 6, 42], UNSTARTED: [13, 23, 7, 42]}
+WORKER_READY = re.compile(r"worker \d+ ready: model (\S+), pid (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +115,96 @@ def test_a_taken_over_job_continues_on_the_version_of_its_tokens_or_fails_saying
             versions["tiny"], versions["tiny-trained"]]
     finally:
         store.close()
+
+
+@dataclasses.dataclass
+class RolledOut:
+    """What was seen around the rollout of "a" from tiny-trained to tiny."""
+
+    before: dict[str, list[int]]  # idempotency key -> tokens, answered before the rollout
+    stranded: list[int]  # the tokens the stream on the draining version delivered
+    stranded_error: TokenlineError | None
+    pid_alive_after: bool
+
+
+KEYED_PROMPT, STREAM_PROMPT = [14, 23, 8, 42], [15, 23, 9, 42]
+
+
+@pytest.fixture(scope="module")
+def rolled_out(server, versions):
+    old_pid = next(int(m.group(2)) for m in map(WORKER_READY.search, server.lines) if m and m.group(1) == "a")
+    with Client(server.address) as client:
+        keyed = dict(token_ids=KEYED_PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+        before = {"unpinned": list(client.complete(model="a", idempotency_key="unpinned", **keyed).token_ids),
+                  "pinned": list(client.complete(model=f"a@{versions['tiny-trained']}", idempotency_key="pinned",
+                                                 **keyed).token_ids)}
+        stream = iter(client.generate(token_ids=STREAM_PROMPT, model="a", max_tokens=1500, temperature=0,
+                                      ignore_eos=True, timeout=60))
+        delivered = list(next(stream).token_ids)
+        os.kill(old_pid, signal.SIGSTOP)  # it holds the stream's run while "a" is rolled out
+        try:
+            client.roll_out("a", "tiny")
+            old_version = f"a@{versions['tiny-trained']}"
+            # Retired once its queue is empty: it takes no work and is never restarted.
+            assert wait_until(lambda: all(m.workers == 0 for m in client.list_models(timeout=10)
+                                          if f"{m.name}@{m.version}" == old_version), timeout=30)
+        finally:
+            os.kill(old_pid, signal.SIGKILL)
+        error = None
+        try:
+            for delta in stream:
+                delivered.extend(delta.token_ids)
+        except TokenlineError as err:
+            error = err
+    return RolledOut(before, delivered, error, _alive(old_pid))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_draining_version_that_loses_its_worker_fails_its_streams_and_never_continues_on_the_new_one(
+        rolled_out, judges):
+    assert not rolled_out.pid_alive_after
+    assert isinstance(rolled_out.stranded_error, Unavailable), rolled_out.stranded_error
+    assert "replaced by a newer one" in rolled_out.stranded_error.details
+    assert 0 < len(rolled_out.stranded) < 1500
+    assert judges["tiny-trained"].violations(STREAM_PROMPT, rolled_out.stranded) == []
+
+
+def test_an_idempotency_key_answers_from_the_version_it_ran_on_across_a_rollout(server, rolled_out, versions, judges):
+    keyed = dict(token_ids=KEYED_PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+    with Client(server.address) as client:
+        # Naming "a" both times is the same request: its stored result, from tiny-trained, and from an index on.
+        again = client.complete(model="a", idempotency_key="unpinned", **keyed)
+        assert list(again.token_ids) == rolled_out.before["unpinned"]
+        assert resumed(server, "unpinned", "a", 4) == rolled_out.before["unpinned"][4:]
+        # A call pinning another version is other work, never answered with tiny-trained's tokens.
+        with pytest.raises(Refused, match="different request"):
+            client.complete(model=f"a@{versions['tiny']}", idempotency_key="pinned", **keyed)
+        # A key first run after the rollout (on the version named "a@<tiny>" inside the server): the same again.
+        first = list(client.complete(model="a", idempotency_key="after", **keyed).token_ids)
+        assert list(client.complete(model="a", idempotency_key="after", **keyed).token_ids) == first
+        assert judges["tiny"].violations(KEYED_PROMPT, first) == []
+        # A live keyed run, re-attached from an index: the same run, on its version.
+        long = dict(token_ids=STREAM_PROMPT, max_tokens=400, temperature=0, ignore_eos=True)
+        stream = iter(client.generate(model="a", idempotency_key="live", **long))
+        head = list(next(stream).token_ids)
+        tail = resumed(server, "live", "a", len(head), max_tokens=400, prompt=STREAM_PROMPT)
+        assert judges["tiny"].violations(STREAM_PROMPT, head + tail) == []
+        assert len(head + tail) == 400
+
+
+def resumed(server, key: str, model: str, index: int, *, max_tokens: int = 16,
+            prompt: list[int] = KEYED_PROMPT) -> list[int]:
+    """The tokens a stream resumed at `index` with this key gets (Generate with resume_from_index)."""
+    request = pb.GenerateRequest(model=model, token_ids=pb.TokenIds(ids=prompt), idempotency_key=key,
+                                 resume_from_index=index,
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    with grpc.insecure_channel(server.address) as channel:
+        chunks = list(pb_grpc.TokenlineStub(channel).Generate(request, timeout=60))
+    return [t for c in chunks for t in c.token_ids]
