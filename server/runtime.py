@@ -218,7 +218,10 @@ class Runtime:
                 continue  # a resumed stream already has these
             if item.index < from_index:
                 item = state.chunk_from(from_index, item.index + len(item.token_ids))
-            chunk = Chunk(item.index, list(item.token_ids), item.text, item.attempt,  # shared: never mutate
+            if mailbox.empty():  # the usual case, one step's tokens: the chunk as it is (shared: never mutated)
+                yield item
+                continue
+            chunk = Chunk(item.index, list(item.token_ids), item.text, item.attempt,  # a copy, to append to
                           list(item.logprobs) if item.logprobs is not None else None)
             while not mailbox.empty():
                 nxt = mailbox.get_nowait()
@@ -259,16 +262,21 @@ class Runtime:
                 st.cached_tokens = d.cached_tokens
             if d.prompt_logprobs is not None and st.prompt_logprobs is None:
                 st.prompt_logprobs = d.prompt_logprobs
-            if d.token_ids:
-                st.timeline.on_tokens(now, len(d.token_ids))
+            ids = d.token_ids
+            if ids:
+                n = len(ids)
+                st.timeline.on_tokens(now, n)
                 index = len(st.token_ids)
-                st.token_ids.extend(d.token_ids)
-                st.text.extend([""] * (len(d.token_ids) - 1) + [d.text])
+                st.token_ids.extend(ids)
+                if n > 1:
+                    st.text.extend([""] * (n - 1))  # a step's text comes with its last token
+                st.text.append(d.text)
                 logprobs = None
                 if st.logprobs is not None:
-                    logprobs = list(d.logprobs or ())[:len(d.token_ids)]
+                    logprobs = list(d.logprobs or ())[:n]
                     st.logprobs.extend(logprobs)
-                st.emit(Chunk(index, list(d.token_ids), d.text, st.attempt, logprobs))
+                # The report's own list: nothing else holds it, and a chunk is never mutated (events copies to coalesce).
+                st.emit(Chunk(index, ids, d.text, st.entry.attempt, logprobs))
             if d.finish_reason is not None:
                 self._finish(d.key, d.finish_reason, at=now)
         _run_hooks(self.step_hooks, result)
