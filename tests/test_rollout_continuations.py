@@ -33,8 +33,8 @@ from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.engine
 
 TOKENS, STORED = 32, 8  # a job's length, and the tokens the dead frontend stored
-STARTED_A, STARTED_B, UNSTARTED = (uuid.uuid4().hex for _ in range(3))
-PROMPTS = {STARTED_A: [11, 23, 5, 42], STARTED_B: [12, 23, 6, 42], UNSTARTED: [13, 23, 7, 42]}
+STARTED_A, STARTED_B, UNSTARTED, LEGACY = (uuid.uuid4().hex for _ in range(4))
+PROMPTS = {STARTED_A: [11, 23, 5, 42], STARTED_B: [12, 23, 6, 42], UNSTARTED: [13, 23, 7, 42], LEGACY: [16, 23, 7, 42]}
 WORKER_READY = re.compile(r"worker \d+ ready: model (\S+), pid (\d+)")
 
 
@@ -64,15 +64,17 @@ def stored(tmp_path_factory, judges, versions):
     try:
         store.submit(job(STARTED_A, "a"))  # "a" was tiny on the frontend that died
         store.submit(job(STARTED_B, "b"))
+        store.submit(job(LEGACY, "b"))  # stored by a server from before versions were kept
         for claimed in store.claim("a-frontend-that-died", 0.001, 10, 5):
             tokens = greedy(judges["tiny"], PROMPTS[claimed.job_id], STORED)
             text = [judges["tiny"].decode([t]) for t in tokens]
-            store.append(claimed.job_id, claimed.fence, 0, list(zip(tokens, text)), 0.001, versions["tiny"])
+            version = None if claimed.job_id == LEGACY else versions["tiny"]
+            store.append(claimed.job_id, claimed.fence, 0, list(zip(tokens, text)), 0.001, version)
             left[claimed.job_id] = tokens
         store.submit(job(UNSTARTED, "a"))  # never claimed: no token, no version
     finally:
         store.close()
-    assert set(left) == {STARTED_A, STARTED_B}
+    assert set(left) == {STARTED_A, STARTED_B, LEGACY}
     return path, left
 
 
@@ -97,7 +99,7 @@ def test_a_taken_over_job_continues_on_the_version_of_its_tokens_or_fails_saying
     final = ("succeeded", "failed", "cancelled", "expired")
     with Client(server.address) as client:
         assert wait_until(lambda: all(client.get_job(j).state in final for j in PROMPTS), timeout=120)
-        started_a, started_b, unstarted = (client.get_job(j) for j in (STARTED_A, STARTED_B, UNSTARTED))
+        started_a, started_b, unstarted, legacy = (client.get_job(j) for j in (STARTED_A, STARTED_B, UNSTARTED, LEGACY))
     # Its tokens came from tiny, and "a" is tiny-trained here: it fails, saying so, with what was stored kept.
     assert (started_a.state, started_a.tokens_stored) == ("failed", STORED), started_a
     assert f"a@{versions['tiny']}" in started_a.error and "no longer serves" in started_a.error
@@ -105,6 +107,9 @@ def test_a_taken_over_job_continues_on_the_version_of_its_tokens_or_fails_saying
     assert (started_b.state, started_b.tokens_stored, started_b.attempts) == ("succeeded", TOKENS, 2), started_b
     assert started_b.token_ids[:STORED] == stored[1][STARTED_B]
     assert judges["tiny"].violations(PROMPTS[STARTED_B], started_b.token_ids) == []
+    # A row from before versions were kept continues on the current version, as the server that wrote it did.
+    assert (legacy.state, legacy.tokens_stored) == ("succeeded", TOKENS), legacy
+    assert any(f"job {LEGACY}: its stored tokens do not say which version" in line for line in server.lines)
     # No token yet: it takes the version current when it starts.
     assert unstarted.state == "succeeded", unstarted
     assert judges["tiny-trained"].violations(PROMPTS[UNSTARTED], unstarted.token_ids) == []
