@@ -58,3 +58,10 @@ def test_a_chunk_read_as_it_comes_is_one_steps_tokens():
         return seen
 
     assert asyncio.run(scenario()) == [(0, [7], "x"), (1, [8], "x"), (2, [9], "x")]
+
+
+def test_the_frontend_path_bench_reads_every_token_of_every_report_once():
+    from tokenline.bench.frontend_path import measure
+
+    us, tokens = asyncio.run(measure(streams=4, reports=3))
+    assert tokens == 12 and us > 0

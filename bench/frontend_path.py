@@ -1,0 +1,89 @@
+"""The frontend's own per-token path, in one process and without gRPC, for before/after comparisons of it.
+
+    python -m tokenline.bench.frontend_path [--streams 256] [--reports 200]
+
+Step reports go through `Runtime._step_reported` (its scheduler replaced by one that hands back a
+one-token delivery per stream), the mailboxes, `Runtime.events` and `responses.chunk_pb`, with one
+reader task per stream taking its chunk before the next report. Prints CPU µs per token: a figure that
+a busy machine disturbs far less than a served run's (docs/performance.md, issue 38).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.records import Delivery, StepResult
+from tokenline.engine.types import Sampling, StepReport, TrafficClass
+from tokenline.server import responses
+from tokenline.server.request import RequestKey, RequestState
+from tokenline.server.runtime import Runtime
+from tokenline.server.timeline import Timeline
+
+
+class _OneTokenEach:
+    """The scheduler's part, fixed: every stream gets one token per report."""
+
+    def __init__(self, states: list[RequestState]):
+        self.states = states
+
+    def on_step(self, report: StepReport) -> StepResult:
+        return StepResult(report=report, deliveries=[Delivery(st.key, [7], "x") for st in self.states])
+
+    def next_wakeup(self) -> None:
+        return None
+
+
+async def measure(streams: int, reports: int) -> tuple[float, int]:
+    """(CPU µs per token, tokens read) over `reports` step reports to `streams` streams."""
+    runtime = Runtime(SchedulerConfig(), {})
+    states = []
+    for i in range(streams):
+        st = RequestState(RequestKey("bench", f"r{i}"), "m", TrafficClass.INTERACTIVE, [1, 2, 3],
+                          Sampling(max_tokens=10**9), Timeline(received=0.0, validated=0.0), None)
+        runtime.requests[st.key] = st
+        states.append(st)
+    runtime.scheduler = _OneTokenEach(states)  # type: ignore[assignment]
+    tokens = 0
+
+    async def read(st: RequestState, mailbox: asyncio.Queue) -> None:
+        nonlocal tokens
+        async for chunk in runtime.events(st, mailbox):
+            responses.chunk_pb(st, chunk)
+            tokens += len(chunk.token_ids)
+
+    readers = [asyncio.create_task(read(st, st.subscribe())) for st in states]
+    await asyncio.sleep(0)
+    report = StepReport(0, 0, 0.005, streams, 0, 100, streams, 0)
+    cpu0 = time.process_time()
+    for _ in range(reports):
+        runtime._step_reported(report)
+        await asyncio.sleep(0)  # each reader wakes and takes its chunk
+        await asyncio.sleep(0)
+    cpu = time.process_time() - cpu0
+    for task in readers:
+        task.cancel()
+    await asyncio.gather(*readers, return_exceptions=True)
+    return (cpu * 1e6 / tokens if tokens else float("nan")), tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tokenline.bench.frontend_path", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=256)
+    p.add_argument("--reports", type=int, default=200)
+    args = p.parse_args(argv)
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    us, tokens = run(measure(args.streams, args.reports))
+    print(f"{us:.2f} µs of CPU per token ({tokens} tokens, {args.streams} streams, {args.reports} reports)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
