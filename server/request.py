@@ -43,6 +43,39 @@ class Chunk:
     logprobs: list[PositionLogprobs] | None = None  # one per token, when the request asked for them
 
 
+class Mailbox(asyncio.Queue):
+    """One caller's chunks of a run, in order: an unbounded asyncio.Queue whose put and get skip what a
+    mailbox never uses (a size bound, the task_done/join count). One put and one get per token per
+    caller are the frontend's per-token path (issue 38)."""
+
+    def put_nowait(self, item: object) -> None:
+        self._queue.append(item)  # type: ignore[attr-defined]
+        getters = self._getters  # type: ignore[attr-defined]
+        while getters:
+            getter = getters.popleft()
+            if not getter.done():
+                getter.set_result(None)
+                return
+
+    async def get(self) -> object:
+        queue = self._queue  # type: ignore[attr-defined]
+        while not queue:
+            getter = self._get_loop().create_future()  # type: ignore[attr-defined]
+            self._getters.append(getter)  # type: ignore[attr-defined]
+            try:
+                await getter
+            except BaseException:  # as asyncio.Queue.get: a cancelled reader passes its wake-up on
+                getter.cancel()
+                try:
+                    self._getters.remove(getter)  # type: ignore[attr-defined]
+                except ValueError:
+                    pass
+                if queue and not getter.cancelled():
+                    self._wakeup_next(self._getters)  # type: ignore[attr-defined]
+                raise
+        return queue.popleft()
+
+
 class RequestState:
     """The connection side of one request: what it asks (prompt, sampling), what its callers
     were given (token ids and text per token, its finish reason or error), its timeline and
@@ -96,7 +129,7 @@ class RequestState:
 
     def subscribe(self, from_index: int = 0) -> asyncio.Queue:
         """A new mailbox, primed with what was produced after `from_index` so far."""
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         if len(self.token_ids) > from_index:
             q.put_nowait(self.chunk_from(from_index, len(self.token_ids)))
         if self.done:

@@ -19,7 +19,10 @@ def _state() -> RequestState:
 
 
 async def _read(runtime: Runtime, state: RequestState, mailbox: asyncio.Queue, from_index: int = 0) -> list[tuple]:
-    return [(c.index, list(c.token_ids), c.text) async for c in runtime.events(state, mailbox, from_index)]
+    async def chunks() -> list[tuple]:
+        return [(c.index, list(c.token_ids), c.text) async for c in runtime.events(state, mailbox, from_index)]
+
+    return await asyncio.wait_for(chunks(), 5.0)  # a mailbox that never wakes its reader fails, not hangs
 
 
 def test_a_caller_that_fell_behind_gets_one_coalesced_chunk_and_the_other_callers_chunks_are_untouched():
@@ -54,7 +57,7 @@ def test_a_chunk_read_as_it_comes_is_one_steps_tokens():
             await asyncio.sleep(0)  # the reader takes each step's chunk before the next
             await asyncio.sleep(0)
         state.emit(_END)
-        await reader
+        await asyncio.wait_for(reader, 5.0)
         return seen
 
     assert asyncio.run(scenario()) == [(0, [7], "x"), (1, [8], "x"), (2, [9], "x")]
@@ -65,3 +68,22 @@ def test_the_frontend_path_bench_reads_every_token_of_every_report_once():
 
     us, tokens = asyncio.run(measure(streams=4, reports=3))
     assert tokens == 12 and us > 0
+
+
+def test_a_mailbox_wakes_its_waiting_reader_on_each_put_in_order_and_a_cancelled_read_loses_nothing():
+    from tokenline.server.request import Mailbox
+
+    async def scenario():
+        mailbox = Mailbox()
+        waiting = asyncio.create_task(mailbox.get())
+        await asyncio.sleep(0)
+        waiting.cancel()  # a caller that left while waiting
+        await asyncio.gather(waiting, return_exceptions=True)
+        reader = asyncio.create_task(mailbox.get())
+        await asyncio.sleep(0)
+        mailbox.put_nowait("a")
+        mailbox.put_nowait("b")
+        first = await asyncio.wait_for(reader, 1.0)
+        return first, await asyncio.wait_for(mailbox.get(), 1.0), mailbox.empty()
+
+    assert asyncio.run(scenario()) == ("a", "b", True)
