@@ -421,4 +421,5 @@ def model_from_proto(model: pb.ModelInfo) -> ModelInfo:
         running=model.running,
         state=model.state,
         current=model.current,
+        base_model=model.base_model,
     )

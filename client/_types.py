@@ -161,3 +161,4 @@ class ModelInfo:
     running: int = 0  # its requests running on its workers now
     state: str = ""  # "loading", "serving" or "restarting" (its workers died and are being restarted)
     current: bool = True  # the version `name` alone reaches (False: rolled out of service, finishing its streams)
+    base_model: str = ""  # a LoRA adapter's: the model it adapts (its requests run on that model's workers)

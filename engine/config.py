@@ -64,6 +64,9 @@ class WorkerConfig:
                            "compare each worker's output with a float32 reference at start: strict refuses to serve "
                            "a model that answers differently, warn logs it, off skips it", choices=SELF_CHECK_MODES)
     model_version: str | None = None  # None: a content hash of the model folder
+    # LoRA adapters of this model (`tokenline serve --lora NAME=FOLDER`): (name, folder), each loaded in every
+    # worker at start under id = its place here + 1, and chosen per request (WorkItem.lora). Empty: LoRA off.
+    lora_adapters: tuple[tuple[str, str], ...] = ()
     # Fault injection: when set, a WorkItem with fault_marker=True makes the worker exit abruptly at its next step
     # (the frontend sets that flag on requests whose prompt contains this string). None: off.
     fault_marker: str | None = flag(None, "--fault-marker",

@@ -140,11 +140,13 @@ class Observed:
 
     `decoded`: its own greedy generation (the decode path). `forced`: its log-probability of each
     reference token, with the reference's tokens appended to the prompt (the prefill path); this
-    one is compared at every position, since both sides read the same tokens.
+    one is compared at every position, since both sides read the same tokens. None: not read (an engine
+    with LoRA adapters: vLLM 0.32's CPU LoRA logits fail on prompt log-probabilities); the decode path alone
+    is compared.
     """
 
     decoded: tuple[Position, ...]
-    forced: tuple[float, ...]
+    forced: tuple[float, ...] | None
 
 
 def compare(reference: Reference, observed: dict[str, Observed], *, logprob_nats: float = LOGPROB_NATS,
@@ -153,10 +155,11 @@ def compare(reference: Reference, observed: dict[str, Observed], *, logprob_nats
     verdict = Verdict(ok=True)
     for probe in reference.probes:
         seen = observed.get(probe.name)
-        if seen is None or not seen.decoded or len(seen.forced) < len(probe.positions):
+        if seen is None or not seen.decoded or (seen.forced is not None and len(seen.forced) < len(probe.positions)):
             verdict.fail(f"{probe.name}: the engine produced no output for the probe")
             continue
-        _compare_forced(probe, seen.forced, verdict, logprob_nats)
+        if seen.forced is not None:
+            _compare_forced(probe, seen.forced, verdict, logprob_nats)
         _compare_decoded(probe, seen.decoded, verdict, logprob_nats, tie_nats)
     if verdict.mean_logprob_error > mean_logprob_nats:
         verdict.fail(f"mean |logprob error| {verdict.mean_logprob_error:.3f} > {mean_logprob_nats}")

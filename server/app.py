@@ -166,6 +166,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         path = pathlib.Path(wc.model_path)
         version = wc.model_version or model_version(path)
         served.add(load_served_model(wc.model_name, path, version, wc.max_model_len), current=True)
+        for lora_id, (name, folder) in enumerate(wc.lora_adapters, start=1):  # ids as the workers load them
+            served.add_adapter(wc.model_name, name, lora_id, folder)
     if config.tool_call_parser:  # vLLM's parsers: seconds to import, off the loop, before serving
         from tokenline.server.tool_parsers import VllmToolParsers
 

@@ -6,9 +6,10 @@ token ids and a bad prompt is refused before it costs any engine time.
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenline.engine import modelconfig
@@ -31,6 +32,11 @@ class ServedModel:
     # The runtime's name for this version (its workers, queues, telemetry): the name for the version the server
     # started with, "name@version" for one rolled out since (server/admin.py).
     key: str = ""
+    # A LoRA adapter of the model (`tokenline serve --lora`): this is the adapter as callers see it (its name and
+    # version; the model's tokenizer, limits and runtime key), and the workers run it with (name, id, folder).
+    adapter: tuple[str, int, str] | None = None
+    base: str = ""  # an adapter's: the name of the model it adapts
+    lora_on: bool = False  # its workers run with LoRA (the model has adapters, or is one)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.name
@@ -130,9 +136,11 @@ class ModelCatalog(Mapping[str, ServedModel]):
     def __init__(self) -> None:
         self._loaded: dict[str, ServedModel] = {}
         self._current: dict[str, str] = {}  # name -> key of its current version
+        self._adapters: dict[str, tuple[str, int, str, str]] = {}  # adapter name -> (model name, id, folder, version)
 
     def add(self, model: ServedModel, *, current: bool) -> None:
         self._loaded[model.key] = model
+        model.lora_on = model.lora_on or any(base == model.name for base, *_ in self._adapters.values())
         if current or model.name not in self._current:
             self._current[model.name] = model.key
 
@@ -155,9 +163,41 @@ class ModelCatalog(Mapping[str, ServedModel]):
         return self._loaded[key] if key is not None else None
 
     def is_current(self, model: ServedModel) -> bool:
+        if model.adapter is not None:  # an adapter runs on its model's current version
+            return model.name in self._adapters
         return self._current.get(model.name) == model.key
 
+    def add_adapter(self, base: str, name: str, lora_id: int, folder: str) -> None:
+        """A LoRA adapter of the model `base`, served under `name` (engine/lora.py)."""
+        from tokenline.engine.lora import adapter_version
+
+        self._adapters[name] = (base, lora_id, folder, adapter_version(folder))
+        model = self.current(base)
+        if model is not None:
+            model.lora_on = True
+
+    def adapters(self) -> list[ServedModel]:
+        """Each adapter, as a request naming it sees it (on its model's current version)."""
+        return [m for m in map(self._adapter, self._adapters) if m is not None]
+
+    def _adapter(self, asked: str) -> ServedModel | None:
+        name, at, pinned = asked.rpartition("@") if "@" in asked else (asked, "", "")
+        found = self._adapters.get(name)
+        model = self.current(found[0]) if found is not None else None
+        if found is None or model is None:
+            return None
+        base, lora_id, folder, files = found
+        # Its version names its files and the model version it runs on: a job or a key that pins it never continues
+        # on another base (server/jobrunner.py).
+        version = hashlib.sha256(f"{files}:{model.version}".encode()).hexdigest()[:12]
+        if at and pinned != version:
+            return None
+        return replace(model, name=name, version=version, adapter=(name, lora_id, folder), base=base)
+
     def __getitem__(self, asked: str) -> ServedModel:
+        adapter = self._adapter(asked)
+        if adapter is not None:
+            return adapter
         if asked in self._current:
             return self._loaded[self._current[asked]]
         if asked in self._loaded:

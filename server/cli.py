@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenline.engine.config import MiB, WorkerConfig
 from tokenline.engine.flagspec import read_flags
 from tokenline.engine.scheduler.config import SchedulerConfig
-from tokenline.server.model_flags import model_flags
+from tokenline.server.model_flags import lora_flags, model_flags
 
 # Only light modules at the top: a worker process is spawned, and a spawned child imports the parent's main
 # module again (this one, or the `tokenline` script that imports it). The frontend's modules (gRPC,
@@ -32,6 +32,7 @@ def run_serve(args: argparse.Namespace) -> int:
         asked = model_flags(args.model, args.model_name, args.model_workers)
         paths = [resolve_model(m.model) for m in asked]
         names = [m.name or path.name for m, path in zip(asked, paths)]
+        loras = _adapters(args, names)
         workers = args.workers if args.workers is not None or not args.ray_address else _ray_workers(args)
         machine = read_machine()
         dtype, why = choose_dtype(args.dtype, gpus=machine.gpus)
@@ -45,7 +46,8 @@ def run_serve(args: argparse.Namespace) -> int:
         # is decided at start: the model's path and name, sizes from the machine's plan, the dtype, the stores.
         served = tuple((read_flags(args, WorkerConfig, model_path=str(path), model_name=name,
                                    kv_cache_bytes=plan.kv_cache_bytes, threads=plan.threads, dtype=dtype,
-                                   compile=args.compile == "on" and args.engine == "vllm", **_sim_costs(args)),
+                                   compile=args.compile == "on" and args.engine == "vllm", lora_adapters=loras[name],
+                                   **_sim_costs(args)),
                         plan.workers) for name, path, plan in zip(names, paths, plans))
         worker = served[0][0]
         limits = read_flags(args, Limits, default_max_tokens=args.default_max_tokens
@@ -63,6 +65,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     plan_text = f"{names[0]}: {plans[0].describe()}" if len(plans) == 1 else describe_models(names, plans)
     how = "compiled" if worker.compile else "eager"
+    adapters = [f"{a} (of {m})" for m, names_ in loras.items() for a, _ in names_]
+    if adapters:
+        plan_text += f"; LoRA adapters: {', '.join(adapters)}"
     print(f"tokenline: {plan_text}, {dtype} ({why}), {how}; {targets_text(sched.interactive)}", flush=True)
     if worker.compile and not _compiled_before():
         print("tokenline: compiling the model for this machine: a minute or two this once, later starts reuse it "
@@ -71,6 +76,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.fault_marker:
         logging.getLogger("tokenline").warning("fault injection is ON: prompts containing %r crash their worker", args.fault_marker)
     return run(config)
+
+
+def _adapters(args: argparse.Namespace, names: list[str]) -> dict[str, tuple[tuple[str, str], ...]]:
+    """Each model's LoRA adapters (--lora), their folders checked now: a bad one stops the start, with why."""
+    from tokenline.engine.lora import adapter_rank, engine_rank
+
+    loras = lora_flags(args.lora, names)
+    if any(loras.values()) and args.engine != "vllm":
+        raise ValueError("--lora needs the vLLM engine: the simulated engine has no weights to adapt")
+    for adapters in loras.values():
+        for _, folder in adapters:
+            engine_rank(adapter_rank(folder))
+    return {m: tuple((n, str(Path(f).resolve())) for n, f in a) for m, a in loras.items()}
 
 
 def targets_text(interactive) -> str:

@@ -94,7 +94,7 @@ def clip(text: str, limit: int = 100) -> str:
 def pick_model(name: str, models: dict[str, ServedModel], default: str) -> ServedModel:
     model = models.get(name or default)
     if model is None:
-        known = ", ".join(sorted(models)) or "none"
+        known = ", ".join(sorted([*models, *(a.name for a in getattr(models, "adapters", list)())])) or "none"
         raise ModelNotFound(f"unknown model {clip(name)!r}; this server serves: {known}")
     return model
 
@@ -259,6 +259,9 @@ def _more_sampling(s: pb.SamplingParams, model: ServedModel, max_tokens: int) ->
     for name in ("logprobs", "prompt_logprobs"):
         if s.HasField(name) and getattr(s, name) > MAX_LOGPROBS:
             raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {getattr(s, name)}")
+    if s.HasField("prompt_logprobs") and model.lora_on:
+        raise InvalidRequest(f"prompt_logprobs is not available on {model.name}: it is served with LoRA adapters, and "
+                             "vLLM's CPU LoRA kernels fail on prompt log-probabilities (logprobs of the output work)")
     return dict(
         min_p=_in_range(s, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_in_range(s, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True),

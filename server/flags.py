@@ -64,6 +64,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                             "evenly between models without --model-workers)")
     model.add_argument("--model-workers", action="append", default=None, metavar="NAME=N",
                        help="worker processes of one model given by --model NAME=MODEL (repeatable)")
+    model.add_argument("--lora", action="append", default=None, metavar="[MODEL/]NAME=FOLDER",
+                       help="a LoRA adapter (a peft folder) of the model (of MODEL, with several), served as model "
+                            "NAME: its requests run on the model's workers, batched with the model's own (repeatable)")
     model.add_argument("--pin-workers", choices=("on", "off"), default="off",
                        help="on: when the workers' threads fill the usable CPUs exactly, bind each worker to CPUs of "
                             "its own (measured ~4 %% more output tok/s at saturation on 2 cores, but on Linux with "

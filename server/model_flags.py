@@ -1,4 +1,5 @@
-"""`--model` and `--model-workers`: which models a server serves, by what names, on how many workers (issue 34).
+"""`--model`, `--model-workers` and `--lora`: which models a server serves, by what names, on how many workers,
+with which LoRA adapters (issue 34).
 
 `--model MODEL` once serves one model under its derived name (or `--model-name`); repeated, each is
 `NAME=MODEL` or `MODEL` (named after its folder), and every model runs on workers of its own
@@ -61,3 +62,26 @@ def _counts(values: list[str]) -> dict[str, int]:
             raise ValueError(f"--model-workers {value!r}: give NAME=N with N at least 1")
         counts[name] = count
     return counts
+
+
+def lora_flags(values: list[str] | None, models: list[str]) -> dict[str, tuple[tuple[str, str], ...]]:
+    """`--lora [MODEL/]NAME=FOLDER`s as each model's (name, folder) adapters; ValueError with what to fix. Without
+    MODEL the adapter is the first model's (the only one, usually); adapter names share the models' namespace."""
+    out: dict[str, list[tuple[str, str]]] = {m: [] for m in models}
+    seen = set(models)
+    for value in values or []:
+        target, eq, folder = value.partition("=")
+        model, slash, name = target.rpartition("/")
+        if not eq or not folder or not name:
+            raise ValueError(f"--lora {value!r}: give NAME=FOLDER, or MODEL/NAME=FOLDER with several models")
+        model = model if slash else models[0]
+        if model not in out:
+            raise ValueError(f"--lora {value!r}: {model!r} is not a served model (models: {', '.join(models)})")
+        if not NAME.match(name) or "@" in name:
+            raise ValueError(f"LoRA adapter name {name!r}: use letters, digits, '.', '_', ':' or '-' (at most 128, "
+                             "starting with a letter or digit)")
+        if name in seen:
+            raise ValueError(f"--lora {value!r}: the name {name!r} is taken (by a model or another adapter)")
+        seen.add(name)
+        out[model].append((name, folder))
+    return {m: tuple(a) for m, a in out.items()}

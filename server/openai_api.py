@@ -256,7 +256,9 @@ class OpenAIDoor:
         await _json(send, 200, {"object": "list", "data": [
             {"id": m.name if m.current else f"{m.name}@{m.version}",  # a version finishing its streams after a rollout
              "object": "model", "created": created, "owned_by": "tokenline", "root": m.name,
-             "max_model_len": m.max_context, "version": m.version, "loaded": m.loaded} for m in listed.models]})
+             "max_model_len": m.max_context, "version": m.version, "loaded": m.loaded,
+             **({"parent": m.base_model} if m.base_model else {})}  # a LoRA adapter: its model, as vllm serve says
+            for m in listed.models]})
 
     async def _whole(self, request: pb.GenerateRequest, context: Any, answer: Answer, send) -> None:  # noqa: ANN001
         try:

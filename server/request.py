@@ -89,12 +89,13 @@ class RequestState:
     def __init__(self, key: RequestKey, model: str, cls: TrafficClass, prompt_ids: list[int], sampling: Sampling,
                  timeline: Timeline, deadline: float | None, *, fault_marker: bool = False,
                  must_complete_by_deadline: bool = False, idempotency_key: str = "", itl_target_s: float | None = None,
-                 group: str | None = None):
+                 group: str | None = None, lora: tuple[str, int, str] | None = None):
         self.entry = Entry(key=key, model=model, tenant=key.tenant, cls=cls, prompt_tokens=len(prompt_ids),
                            max_tokens=sampling.max_tokens, arrival=0.0, deadline=deadline,
                            must_complete_by_deadline=must_complete_by_deadline, itl_target_s=itl_target_s, group=group)
         self.prompt_ids = prompt_ids
         self.sampling = sampling
+        self.lora = lora  # a LoRA adapter of the model (ServedModel.adapter): every run of it runs with it
         self.timeline = timeline
         self.fault_marker = fault_marker
         self.idempotency_key = idempotency_key

@@ -145,7 +145,7 @@ def model_info(model: ServedModel, specs: list[WorkerSpec], limits: Limits, load
                         has_chat_template=model.has_chat_template, chat_template=model.chat_template,
                         default_max_tokens=min(limits.default_max_tokens, model.max_context - 1),
                         max_tokens_limit=limits.max_tokens, max_prompt_tokens=max_prompt_tokens(model, limits),
-                        structured_output_formats=STRUCTURED_FORMATS)
+                        structured_output_formats=STRUCTURED_FORMATS, base_model=model.base)
 
 
 def execution_of(specs: list[WorkerSpec]) -> str:

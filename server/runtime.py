@@ -353,7 +353,7 @@ class Runtime:
             items.append(WorkItem(adm.run_key, tuple(st.prompt_ids) + tuple(delivered), sampling,
                                   priority=0 if st.cls == TrafficClass.INTERACTIVE else 1, fault_marker=st.fault_marker,
                                   delivered_tokens=adm.generated, shown_chars=sum(map(len, st.text[:adm.generated])),
-                                  prompt_logprobs_sent=st.prompt_logprobs is not None))
+                                  prompt_logprobs_sent=st.prompt_logprobs is not None, lora=st.lora))
         self._send(d.worker_id, wire.Admit(d.seq, tuple(items)))
 
     def _send(self, wid: int | None, msg: object) -> None:

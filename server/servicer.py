@@ -122,7 +122,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         specs = list(self.runtime.specs.values())
         return pb.ListModelsResponse(models=[responses.model_info(m, [s for s in specs if s.model == m.key], self.limits,
                                                                   self.runtime.model_load(m.key), current=self._current(m))
-                                             for m in self.models.values()])
+                                             for m in [*self.models.values(), *self._adapters()]])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         return await self._tokenizer_call(request, context, "TokenizeRequest", responses.tokenize_prompt, self.limits)
@@ -169,6 +169,11 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
 
     def _tool_parsers(self, call: _Call):  # noqa: ANN202
         return self.models[call.model].tool_parsers if call.tools.mode == "auto" else None
+
+    def _adapters(self) -> list[ServedModel]:
+        """The LoRA adapters served (server/catalog.py ModelCatalog.adapters)."""
+        adapters = getattr(self.models, "adapters", None)
+        return adapters() if adapters is not None else []
 
     def _current(self, model: ServedModel) -> bool:
         """Is `model` the version its name resolves to (server/catalog.py ModelCatalog)?"""
@@ -283,7 +288,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                              model=valid.model.key, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
                              timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key,
                              must_complete_by_deadline=request.require_completion_by_deadline,
-                             itl_target_s=convert.itl_target(request, valid.cls), group=group)
+                             itl_target_s=convert.itl_target(request, valid.cls), group=group, lora=valid.model.adapter)
         mailbox = state.subscribe()
         self.runtime.submit(state)
         return _Call(state=state, mailbox=mailbox, owner=True)

@@ -118,3 +118,54 @@ def test_only_a_tenant_marked_admin_in_the_keys_file_may_operate_the_server(tmp_
     path.write_text(json.dumps({"tenants": {"ops": {"keys": [hash_key("k1")], "admin": "yes"}}}))
     with pytest.raises(ValueError, match="admin must be true or false"):
         load_tenants(path)
+
+
+def test_an_adapter_resolves_to_its_models_current_version_and_its_pinned_name_to_that_base_alone(tmp_path):
+    import pathlib
+
+    from tokenline.server.catalog import ModelCatalog, ServedModel
+
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+    catalog = ModelCatalog()
+    v1 = ServedModel(name="chat", path=pathlib.Path("/m"), version="v1", max_context=64, vocab_size=10, tokenizer=None)
+    v2 = ServedModel(name="chat", path=pathlib.Path("/m"), version="v2", max_context=64, vocab_size=10, tokenizer=None,
+                     key="chat@v2")
+    catalog.add(v1, current=True)
+    catalog.add(v2, current=False)
+    catalog.add_adapter("chat", "tuned", 1, str(folder))
+    on_v1 = catalog["tuned"]
+    assert (on_v1.key, on_v1.adapter, on_v1.base) == ("chat", ("tuned", 1, str(folder)), "chat")
+    assert on_v1.lora_on and catalog["chat"].lora_on  # prompt log-probabilities refused on both (server/convert.py)
+    assert catalog[f"tuned@{on_v1.version}"].key == "chat" and [a.name for a in catalog.adapters()] == ["tuned"]
+    catalog.set_current("chat@v2")  # a rollout of its model: the adapter follows, under another version
+    on_v2 = catalog["tuned"]
+    assert on_v2.key == "chat@v2" and on_v2.version != on_v1.version
+    assert f"tuned@{on_v1.version}" not in catalog  # pinned to the old base: not continued on the new one
+    assert "tuned@nope" not in catalog and "chat" in catalog
+    v3 = ServedModel(name="chat", path=pathlib.Path("/m"), version="v3", max_context=64, vocab_size=10, tokenizer=None,
+                     key="chat@v3")
+    catalog.add(v3, current=True)  # rolled out after the adapter was added: its workers run LoRA too (admin.py)
+    assert catalog["chat"].lora_on and catalog["tuned"].key == "chat@v3"
+
+
+@pytest.mark.parametrize("values, message", [
+    (["tuned"], "give NAME=FOLDER"),
+    (["other/tuned=/a"], "'other' is not a served model"),
+    (["a=/x"], "the name 'a' is taken"),
+    (["t=/x", "t=/y"], "the name 't' is taken"),
+    (["bad name=/x"], "LoRA adapter name"),
+])
+def test_bad_lora_flags_are_refused_with_what_to_fix(values, message):
+    from tokenline.server.model_flags import lora_flags
+
+    with pytest.raises(ValueError, match=message):
+        lora_flags(values, ["a", "b"])
+
+
+def test_a_lora_flag_without_a_model_is_the_first_models():
+    from tokenline.server.model_flags import lora_flags
+
+    assert lora_flags(["t=/x", "b/u=/y"], ["a", "b"]) == {"a": (("t", "/x"),), "b": (("u", "/y"),)}
