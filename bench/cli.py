@@ -198,11 +198,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     feat = sub.add_parser("features", help="what logprobs, n and a JSON schema cost, tokenline and vllm serve side by side",
                           epilog=FEATURES_EXAMPLES, formatter_class=_formatter)
     _side_by_side_args(feat, "features", "requests sent at once per variant")
-
-    doors = sub.add_parser("doors", help="the HTTP door against vllm serve (vllm bench serve) and against the gRPC door",
     feat.add_argument("--rounds", type=int, default=1,
                       help="measure everything this many times on fresh servers, alternating; the ratios are the "
                            "rounds' medians, with their range (default %(default)s)")
+
+    doors = sub.add_parser("doors", help="the HTTP door against vllm serve (vllm bench serve) and against the gRPC door",
                            epilog=DOORS_EXAMPLES, formatter_class=_formatter)
     _side_by_side_args(doors, "doors", "requests sent at once")
 
