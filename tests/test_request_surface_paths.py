@@ -35,8 +35,8 @@ def _no_repeat(deltas, tokens, text):
 
 
 def _min_tokens(deltas, tokens, text):
-    # The end-of-sequence token is forced (+100) as soon as min_tokens allows: at index 60 exactly.
-    assert len(tokens) == 61 and tokens[-1] == EOS and EOS not in tokens[:-1], tokens
+    # The end-of-sequence token is forced (+100) as soon as min_tokens allows: at index 150 exactly.
+    assert len(tokens) == 151 and tokens[-1] == EOS and EOS not in tokens[:-1], tokens
 
 
 def _regex(deltas, tokens, text):
@@ -70,7 +70,8 @@ def _tool_call(deltas, tokens, text):
 
 CASES = {
     "presence penalty": (dict(temperature=0, presence_penalty=1.5, ignore_eos=True, max_tokens=120), _no_repeat),
-    "min_tokens": (dict(temperature=0, min_tokens=60, logit_bias={EOS: 100}, max_tokens=200), _min_tokens),
+    # Long enough to be running when the slowest case's first tokens come, on a loaded machine (at 60 it had ended).
+    "min_tokens": (dict(temperature=0, min_tokens=150, logit_bias={EOS: 100}, max_tokens=300), _min_tokens),
     "regex": (dict(temperature=0, regex="(abc){40}", max_tokens=300), _regex),
     "json schema": (dict(temperature=1.0, seed=4, json_schema=SCHEMA, max_tokens=500), _json),
     "logprobs": (dict(temperature=0, logprobs=2, ignore_eos=True, max_tokens=120), _logprobs),
