@@ -14,7 +14,7 @@ prefix cache holds (`cached_on`, read by the budget: budget.py; and `Entry.cache
 for what the worker still owes). Charged in full, a worker with a 512-token step budget took two 256-token samples
 a step, the third went to the other worker, and the preference changed nothing: every call's four samples ran two
 and two, as without it (measured in the simulator). Charged as saved, it took three, and the fourth still went to
-the other worker whenever that one reported first: at saturation 48 of 64 calls computed their prompt twice.
+the other worker whenever that one reported first: at saturation 53 of 64 calls ran on both workers (simulator).
 So a sample beside a sibling rides with it past the step's prompt room and the dispatch rule (budget.py
 `rides_with_sibling`): while the group's worker has a slot and KV for it, it goes there, and vLLM computes
 its unshared tail in the worker's next step. The step room it overdraws is at most n - 1 unshared tails of
