@@ -4,7 +4,11 @@ The keys file is JSON, reloaded when it changes (and on SIGHUP), quotas included
 that does not parse or has a wrong type is reported and the previous one kept:
 
     {"tenants": {"acme": {"keys": ["sha256:<hex of sha256(key)>"],
-                          "weight": 2.0, "max_concurrent": 64, "max_queued_tokens": 200000}}}
+                          "weight": 2.0, "max_concurrent": 64, "max_queued_tokens": 200000,
+                          "models": {"chat": {"max_concurrent": 16}}}}}
+
+"max_concurrent" bounds the tenant's queued and running requests on all models together; "models" bounds them on
+one model (every version and LoRA adapter of it), so a tenant can be held to a share of one model's workers.
 
 `tokenline keys new --tenant acme` prints a fresh key and its entry. Without a
 keys file and without client certificates, every caller is the default tenant.
@@ -71,6 +75,18 @@ def load_tenants(path: pathlib.Path) -> dict[str, Tenant]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
                 raise ValueError(f"{where}: tenant {name!r}: {field_name} must be a {'whole ' if kind is int else ''}number, got {value!r}")
             quota[field_name] = kind(value)
+        models = entry.get("models", {})
+        if not isinstance(models, dict) or not all(isinstance(v, dict) and set(v) <= {"max_concurrent"}
+                                                   for v in models.values()):
+            raise ValueError(f'{where}: tenant {name!r}: models must be an object of {{"<model>": {{"max_concurrent": N}}}}')
+        per_model = []
+        for model, limits in models.items():
+            value = limits.get("max_concurrent")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{where}: tenant {name!r}: models.{model}.max_concurrent must be a whole number, "
+                                 f"got {value!r}")
+            per_model.append((model, value))
+        quota["model_concurrent"] = tuple(per_model)
         admin = entry.get("admin", False)
         if not isinstance(admin, bool):
             raise ValueError(f"{where}: tenant {name!r}: admin must be true or false, got {admin!r}")

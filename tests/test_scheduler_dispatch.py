@@ -146,3 +146,32 @@ def test_a_new_config_reaches_admission_at_once():
     refused = [a for a in s.submit(entry("b")) if isinstance(a, Refuse)]
     assert refused and "its limit is 1" in refused[0].message
     assert s.admission.config is s.config and s.rules.config is s.config and s.planner.config is s.config
+
+
+def test_a_tenants_limit_on_one_model_holds_there_and_leaves_its_other_models_free():
+    # The keys file's "models": {"a": {"max_concurrent": 2}}: a share of model a's workers, every version of it counted
+    # (runtime keys "a" and "a@v2" are one model), while model b and the tenant's overall limit are untouched.
+    from dataclasses import replace
+
+    from tokenline.engine.scheduler.config import TenantConfig
+    from tokenline.engine.scheduler.records import Entry, Refuse
+    from tokenline.engine.types import TrafficClass
+
+    sim = simulation((worker_spec(0, max_seqs=8, continuous=True), linear_cost(0.02, 0.002)))
+    s = sim.scheduler
+    for wid, model in ((0, "a"), (1, "a@v2"), (2, "b")):
+        s.add_worker(worker_spec(wid, max_seqs=8, continuous=True, model=model))
+    s.config = replace(s.config, tenants={"t": TenantConfig(max_concurrent=10, model_concurrent=(("a", 2),))})
+
+    def submit(key: str, model: str, tenant: str = "t") -> Refuse | None:
+        e = Entry(key=key, model=model, tenant=tenant, cls=TrafficClass.INTERACTIVE, prompt_tokens=8, max_tokens=16,
+                  arrival=0.0)
+        return next((a for a in s.submit(e) if isinstance(a, Refuse)), None)
+
+    assert submit("1", "a") is None and submit("2", "a@v2") is None
+    refused = submit("3", "a")
+    assert refused is not None and "on model 'a', its limit there is 2" in refused.message and refused.retry_after_s
+    assert submit("4", "b") is None and submit("5", "b") is None  # another model: free
+    assert submit("6", "a", tenant="other") is None  # another tenant: free
+    s.cancel("1")
+    assert submit("7", "a") is None  # a request of a ended: room again

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from tokenline.engine.scheduler.budget import blocks_at_most
-from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.config import SchedulerConfig, model_name
 from tokenline.engine.scheduler.records import Entry, Refusal, Refuse
 from tokenline.engine.scheduler.state import ModelState, WorkerView
 from tokenline.engine.types import TrafficClass
@@ -24,7 +24,8 @@ class AdmissionControl:
 
     def __init__(self, config: SchedulerConfig, models: dict[str, ModelState], workers: dict[int, WorkerView],
                  entries: dict[str, Entry], on_demand: dict[str, float], tenant_inflight: Counter[str],
-                 tenant_queued_tokens: Counter[str], model_of: Callable[[str], ModelState]):
+                 tenant_queued_tokens: Counter[str], model_of: Callable[[str], ModelState],
+                 tenant_model_inflight: Counter[tuple[str, str]] | None = None):
         self.config = config
         self.models = models
         self.workers = workers
@@ -33,6 +34,7 @@ class AdmissionControl:
         self.tenant_inflight = tenant_inflight  # queued + running requests per tenant
         self.tenant_queued_tokens = tenant_queued_tokens  # prompt + max new tokens queued per tenant
         self.model_of = model_of  # the model's state, created if new (a model started on demand)
+        self.tenant_model_inflight = tenant_model_inflight if tenant_model_inflight is not None else Counter()
 
     def check(self, e: Entry, now: float) -> Refuse | None:
         if e.key in self.entries:
@@ -54,6 +56,12 @@ class AdmissionControl:
         inflight = self.tenant_inflight[e.tenant]
         if inflight + 1 > tenant_cfg.max_concurrent:
             return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {inflight} requests in flight, its limit is {tenant_cfg.max_concurrent}", self.retry_after(model, e.cost, now))
+        on_model = tenant_cfg.concurrent_on(model_name(e.model))
+        if on_model is not None:
+            held = self.tenant_model_inflight[e.tenant, model_name(e.model)]
+            if held + 1 > on_model:
+                return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {held} requests in flight on model "
+                              f"{model_name(e.model)!r}, its limit there is {on_model}", self.retry_after(model, e.cost, now))
         queued_tokens = self.tenant_queued_tokens[e.tenant]
         if queued_tokens + e.cost > tenant_cfg.max_queued_tokens:
             return Refuse(e.key, Refusal.TENANT_LIMIT, f"tenant {e.tenant!r} has {queued_tokens} tokens queued, its limit is {tenant_cfg.max_queued_tokens}", self.retry_after(model, e.cost, now))

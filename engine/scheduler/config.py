@@ -87,19 +87,34 @@ class ClassConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
 
+def model_name(key: str) -> str:
+    """The name of the model a runtime key is a version of: "chat" for "chat" and "chat@3f2a…" alike."""
+    return key.split("@", 1)[0]
+
+
 @dataclass(frozen=True)
 class TenantConfig:
     """A tenant's share and quotas."""
 
     weight: float = 1.0
-    max_concurrent: int = 1_000_000  # queued + running requests
+    max_concurrent: int = 1_000_000  # queued + running requests, all models together
     max_queued_tokens: int = 1_000_000_000
+    # Queued + running requests on one model (its every version and LoRA adapter), by model name: a tenant may be held
+    # to a share of one model while free on another (the keys file's "models": {"chat": {"max_concurrent": 4}}).
+    model_concurrent: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
             raise ValueError(f"tenant weight must be > 0, got {self.weight}")
         if self.max_concurrent < 1:
             raise ValueError(f"tenant max_concurrent must be >= 1, got {self.max_concurrent}")
+        for model, limit in self.model_concurrent:
+            if limit < 1:
+                raise ValueError(f"tenant max_concurrent for model {model!r} must be >= 1, got {limit}")
+
+    def concurrent_on(self, model: str) -> int | None:
+        """The tenant's limit on the model named `model` (its runtime key's name), None if it has none of its own."""
+        return next((limit for name, limit in self.model_concurrent if name == model), None)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import blocks_for
-from tokenline.engine.scheduler.config import SchedulerConfig
+from tokenline.engine.scheduler.config import SchedulerConfig, model_name
 from tokenline.engine.scheduler.crashes import CrashRecovery
 from tokenline.engine.scheduler.pace import WorkerPace
 from tokenline.engine.scheduler.placement import SiblingPlacement
@@ -53,6 +53,7 @@ class Scheduler:
         self.counters = Counters()
         self._deadlines: list[tuple[float, str]] = []  # heap; stale rows skipped lazily
         self._tenant_inflight: Counter[str] = Counter()
+        self._tenant_model_inflight: Counter[tuple[str, str]] = Counter()  # (tenant, model name): TenantConfig.model_concurrent
         self._tenant_queued_tokens: Counter[str] = Counter()
         self._decided_at: dict[str, float] = {}  # model -> when its dispatch rule was last applied
         # Models whose workers start on demand (autoscaled from zero) -> seconds a start takes: with no
@@ -60,7 +61,8 @@ class Scheduler:
         self.on_demand: dict[str, float] = {}
         # Estimates and refusals (engine/scheduler/admission.py), over this state.
         self.admission = AdmissionControl(config, self.models, self.workers, self.entries, self.on_demand,
-                                          self._tenant_inflight, self._tenant_queued_tokens, self._model)
+                                          self._tenant_inflight, self._tenant_queued_tokens, self._model,
+                                          self._tenant_model_inflight)
         self.rules = DispatchRules(config, self.models, self.admission, self.planner, self.siblings)  # budgets, when queues are released
         # A dead worker's runs, suspects and survivors (engine/scheduler/crashes.py).
         self.crashes = CrashRecovery(config, self.workers, self.entries, self._model, can_take=self.rules.can_take,
@@ -113,6 +115,7 @@ class Scheduler:
             return [refusal]
         self.entries[entry.key] = entry
         self._tenant_inflight[entry.tenant] += 1
+        self._tenant_model_inflight[entry.tenant, model_name(entry.model)] += 1
         if entry.deadline is not None:
             heapq.heappush(self._deadlines, (entry.deadline, entry.key))
         self._enqueue(entry, now)
@@ -409,6 +412,10 @@ class Scheduler:
             self._tenant_inflight[e.tenant] -= 1
             if not self._tenant_inflight[e.tenant]:
                 del self._tenant_inflight[e.tenant]
+            pair = (e.tenant, model_name(e.model))
+            self._tenant_model_inflight[pair] -= 1
+            if not self._tenant_model_inflight[pair]:
+                del self._tenant_model_inflight[pair]
 
     def _note_capacity(self, model: ModelState, now: float) -> None:
         # Room means a slot, KV blocks and prefill budget this step: waiting for any of them is
