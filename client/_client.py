@@ -245,6 +245,24 @@ class Client:
         return {"name": response.name, "version": response.version, "previous_version": response.previous_version,
                 "workers": response.workers}
 
+    def load_adapter(self, model: str, name: str, folder: str, *, timeout: float | None = 120.0) -> dict[str, Any]:
+        """Admin: serve the LoRA adapter in `folder` (on the server's machine) of `model` as model `name`; returns
+        {"name", "model", "version", "folder", "adapters_held", "max_adapters", "draining"}."""
+        return self._adapter_call("LoadAdapter", pb.LoadAdapterRequest(model=model, name=name, folder=folder), timeout)
+
+    def unload_adapter(self, name: str, *, wait: bool = False, timeout: float | None = 900.0) -> dict[str, Any]:
+        """Admin: stop serving the adapter `name` (its running requests finish on it); with `wait`, return once its
+        slot is free. Returns as load_adapter does ("draining": requests of it still run)."""
+        return self._adapter_call("UnloadAdapter", pb.UnloadAdapterRequest(name=name, wait=wait), timeout)
+
+    def _adapter_call(self, method: str, request: Any, timeout: float | None) -> dict[str, Any]:
+        try:
+            r = getattr(pb_grpc.TokenlineAdminStub(self._channel), method)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return {"name": r.name, "model": r.model, "version": r.version, "folder": r.folder,
+                "adapters_held": r.adapters_held, "max_adapters": r.max_adapters, "draining": r.draining}
+
     # ------------------------------------------------------------ durable jobs
 
     def submit_job(self, prompt: str | None = None, *, timeout: float | None = 30.0,

@@ -38,6 +38,7 @@ class Job:
     finished_unix_ms: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    model_version: str = ""  # the version of `model` its tokens come from ("" while queued with none named)
 
     @property
     def final(self) -> bool:
@@ -84,7 +85,8 @@ def job_from_proto(job: pb.Job) -> Job:
     return Job(job_id=job.job_id, state=_STATE_NAMES.get(job.state, "unknown"), model=job.model,
                idempotency_key=job.idempotency_key, attempts=job.attempts, tokens_stored=job.tokens_stored,
                finish_reason=_finish(job.finish_reason), error=job.error, created_unix_ms=job.created_unix_ms,
-               finished_unix_ms=job.finished_unix_ms, token_ids=list(job.token_ids), text=job.text)
+               finished_unix_ms=job.finished_unix_ms, token_ids=list(job.token_ids), text=job.text,
+               model_version=job.model_version)
 
 
 def chunk_from_proto(chunk: pb.JobChunk) -> JobChunk:

@@ -66,6 +66,9 @@ class ServerTimeline:
     # Time lost to preemptions and to worker failures (each: interruption to the next token).
     lost_preemption_ms: float = 0.0
     lost_retry_ms: float = 0.0
+    # What served it: the model as ListModels names it (a LoRA adapter's own name) and the version its tokens came from.
+    model: str = ""
+    model_version: str = ""
 
 
 @dataclass(frozen=True)

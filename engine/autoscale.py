@@ -162,6 +162,108 @@ class Autoscaler:
         return []
 
 
+@dataclass(frozen=True)
+class GiveBack:
+    """Retire a worker a model borrowed: it takes no new work and stops once its streams end (no stream dropped);
+    the model it was lent by starts one in its place when it has gone."""
+
+    worker_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Share:
+    """Several models under one worker budget (the machine's plan): each model's own count, and how long a worker
+    must have been idle before it is lent to a model that needs one."""
+
+    budget: int  # worker processes of all models together (active, starting, finishing their runs)
+    own: dict[str, int]  # model -> the workers the plan gave it
+    lend_after_s: float = 5.0
+
+
+def share_workers(decisions: dict[str, list[Decision]], pressures: dict[str, Pressure], minimum: dict[str, int],
+                  share: Share, now: float, *, in_use: int) -> list[tuple[str, Decision | GiveBack]]:
+    """Each model's autoscaler decided alone; this keeps them to the budget, lending and giving back (issue 34).
+
+    - Removals pass.
+    - An addition within the budget passes.
+    - At the budget, a model that needs a worker borrows one: another model's worker idle at least `lend_after_s`,
+      above that model's minimum (models holding borrowed workers lend first, then the longest idle), is removed,
+      and the addition takes its place.
+    - At the budget with none idle, a model below its own count takes one back: a worker of a model above its own
+      count, the one running least, is retired (it finishes its streams); the addition waits until it has gone.
+    - Otherwise the addition waits (the model's queue shows it).
+
+    `in_use`: worker processes now, all models (active, starting, retiring). Pure: what to do, never doing it."""
+    out: list[tuple[str, Decision | GiveBack]] = []
+    held = {m: len(p.workers) + p.starting for m, p in pressures.items()}
+    lent: set[int] = set()
+    for model, ds in decisions.items():
+        for d in ds:
+            if isinstance(d, RemoveWorker):
+                out.append((model, d))
+                held[model] -= 1
+                in_use -= 1
+                lent.add(d.worker_id)
+    wanting = [(m, d) for m, ds in decisions.items() for d in ds if isinstance(d, AddWorker)]
+    # The most pressed first: predicted misses, then the oldest queued request.
+    wanting.sort(key=lambda md: (-pressures[md[0]].predicted_misses, -pressures[md[0]].oldest_queued_age_s))
+    giving_back = False
+    for model, add in wanting:
+        if in_use < share.budget:
+            out.append((model, add))
+            held[model] += 1
+            in_use += 1
+            continue
+        lender = _idle_lender(model, pressures, held, minimum, share, now, lent)
+        if lender is not None:
+            other, w = lender
+            idle_s = now - (w.idle_since or now)
+            out.append((other, RemoveWorker(w.worker_id, f"lent to {model} (idle {idle_s:.0f} s)")))
+            out.append((model, AddWorker(f"{add.reason}; in place of worker {w.worker_id} of {other}, idle")))
+            lent.add(w.worker_id)
+            held[other] -= 1
+            held[model] += 1
+            continue
+        if not giving_back and held[model] < share.own.get(model, 0):
+            borrower = _borrowed(model, pressures, held, share, lent)
+            if borrower is not None:
+                other, w = borrower
+                out.append((other, GiveBack(w.worker_id, f"given back to {model} ({held[model]} of its own "
+                                                           f"{share.own[model]} workers; {add.reason})")))
+                lent.add(w.worker_id)
+                held[other] -= 1
+                giving_back = True  # one at a time: the next waits for this one's streams to end
+    return out
+
+
+def _idle_lender(model: str, pressures: dict[str, Pressure], held: dict[str, int], minimum: dict[str, int],
+                 share: Share, now: float, taken: set[int]) -> tuple[str, WorkerLoad] | None:
+    best: tuple[tuple, str, WorkerLoad] | None = None
+    for other, p in pressures.items():
+        if other == model or held[other] <= minimum.get(other, 0) or p.queued:
+            continue
+        for w in p.workers:
+            if w.worker_id in taken or w.running or w.idle_since is None or now - w.idle_since < share.lend_after_s:
+                continue
+            rank = (held[other] <= share.own.get(other, 0), w.idle_since)  # borrowers first, then the longest idle
+            if best is None or rank < best[0]:
+                best = (rank, other, w)
+    return (best[1], best[2]) if best is not None else None
+
+
+def _borrowed(model: str, pressures: dict[str, Pressure], held: dict[str, int], share: Share,
+              taken: set[int]) -> tuple[str, WorkerLoad] | None:
+    best: tuple[int, str, WorkerLoad] | None = None
+    for other, p in pressures.items():
+        if other == model or held[other] <= share.own.get(other, 0):
+            continue
+        for w in p.workers:
+            if w.worker_id not in taken and (best is None or w.running < best[0]):
+                best = (w.running, other, w)
+    return (best[1], best[2]) if best is not None else None
+
+
 def read_pressure(scheduler, model_name: str, now: float, *, starting: int,
                   idle_since: dict[int, float]) -> Pressure:
     """The queue of one model as the autoscaler sees it, read off the scheduler."""

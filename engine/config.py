@@ -64,9 +64,14 @@ class WorkerConfig:
                            "compare each worker's output with a float32 reference at start: strict refuses to serve "
                            "a model that answers differently, warn logs it, off skips it", choices=SELF_CHECK_MODES)
     model_version: str | None = None  # None: a content hash of the model folder
-    # LoRA adapters of this model (`tokenline serve --lora NAME=FOLDER`): (name, folder), each loaded in every
-    # worker at start under id = its place here + 1, and chosen per request (WorkItem.lora). Empty: LoRA off.
-    lora_adapters: tuple[tuple[str, str], ...] = ()
+    # LoRA adapters of this model (`tokenline serve --lora NAME=FOLDER`, and those the admin service loaded since):
+    # (name, folder, id), each loaded in every worker at start and chosen per request (WorkItem.lora).
+    lora_adapters: tuple[tuple[str, str, int], ...] = ()
+    # Adapters the model can hold at once (`--max-loras`: those given at start and those loaded later); each takes
+    # one of vLLM's LoRA slots, preallocated at `max_lora_rank`. 0 with no adapter: LoRA off (the base model's
+    # steps run without LoRA's kernels).
+    max_loras: int = 0
+    max_lora_rank: int = 0  # the largest rank an adapter may have (one of vLLM's, engine/lora.py ENGINE_RANKS)
     # Fault injection: when set, a WorkItem with fault_marker=True makes the worker exit abruptly at its next step
     # (the frontend sets that flag on requests whose prompt contains this string). None: off.
     fault_marker: str | None = flag(None, "--fault-marker",
@@ -83,6 +88,11 @@ class WorkerConfig:
     def engine_seqs(self) -> int:
         """Sequences the engine runs at once: bulk's max_seqs plus the slots only interactive may use."""
         return self.max_seqs + self.interactive_slots
+
+    @property
+    def lora_on(self) -> bool:
+        """The workers run with vLLM's LoRA (adapters given, or room for some to be loaded later)."""
+        return self.max_loras > 0 or bool(self.lora_adapters)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -103,6 +113,11 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.interactive_slots, int) or isinstance(self.interactive_slots, bool) or self.interactive_slots < 0:
             raise ValueError(f"interactive_slots must be a non-negative integer, got {self.interactive_slots!r}")
+        if len(self.lora_adapters) > max(self.max_loras, 0) and self.max_loras:
+            raise ValueError(f"{len(self.lora_adapters)} LoRA adapters given, but max_loras is {self.max_loras}: "
+                             "raise --max-loras (or give fewer --lora)")
+        if self.max_loras < 0 or self.max_lora_rank < 0:
+            raise ValueError(f"max_loras and max_lora_rank may not be negative, got {self.max_loras}, {self.max_lora_rank}")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (32 on CPU), got {self.block_size}")
         if self.kv_cache_bytes < MiB:

@@ -77,9 +77,10 @@ class WorkerPlan:
 def plan_workers(machine: Machine, *, workers: int | None = None, threads: int | None = None,
                  kv_cache_bytes: int | None = None, standby: int = 0,
                  kv_bytes_per_token: int | None = None, max_seqs: int = 64, max_model_len: int = 4096,
-                 pin: bool = False) -> WorkerPlan:
+                 pin: bool = False, extra_bytes: int = 0) -> WorkerPlan:
     """Workers, threads and KV per worker: what the operator gave, the rest from the machine.
-    `pin`: bind workers to CPUs of their own where pin_sets finds them (else the OS places them)."""
+    `pin`: bind workers to CPUs of their own where pin_sets finds them (else the OS places them).
+    `extra_bytes`: what each worker holds beyond its footprint and KV (LoRA slots, engine/lora.py slot_bytes)."""
     for name, value in (("workers", workers), ("threads", threads), ("kv_cache_bytes", kv_cache_bytes)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
@@ -94,11 +95,11 @@ def plan_workers(machine: Machine, *, workers: int | None = None, threads: int |
             by_cpu = max(1, machine.cpus // threads)
             # Never so many that each worker's own footprint and a minimal KV cache no longer fit.
             room = machine.available_bytes - FRONTEND_RESERVE_BYTES
-            by_memory = max(1, room // (WORKER_FOOTPRINT_BYTES + MIN_KV_BYTES) - standby)
+            by_memory = max(1, room // (WORKER_FOOTPRINT_BYTES + extra_bytes + MIN_KV_BYTES) - standby)
             workers = min(by_cpu, by_memory)
     if kv_cache_bytes is None:
         processes = workers + standby
-        left = machine.available_bytes - FRONTEND_RESERVE_BYTES - processes * WORKER_FOOTPRINT_BYTES
+        left = machine.available_bytes - FRONTEND_RESERVE_BYTES - processes * (WORKER_FOOTPRINT_BYTES + extra_bytes)
         kv_cache_bytes = int(KV_MEMORY_SHARE * max(left, 0) / processes)
         if kv_bytes_per_token:
             kv_cache_bytes = min(kv_cache_bytes, kv_bytes_per_token * max_seqs * max_model_len)

@@ -7,7 +7,8 @@ workers of its own. The split is a pure function of the machine's readings and t
   machine plan (or `--workers`, the total) leaves, at least one each — so one model's flood can never take
   another's workers;
 - CPUs: pinning (when asked) hands out the machine's CPU sets in the models' order;
-- KV: every worker process (and each model's standby) gets the same share of the memory left, as with one
+- KV: every worker process (and each model's standby) gets the same share of the memory left (after each
+  worker's footprint and its model's LoRA slots), as with one
   model, capped by what its own model's `max_seqs` sequences of `max_model_len` tokens can use (a small model
   needs less KV per token than a large one).
 """
@@ -28,6 +29,7 @@ class ModelAsk:
     name: str
     kv_bytes_per_token: int | None = None  # its KV per token (None: not known; no cap)
     workers: int | None = None  # its own worker count (None: a share of the rest)
+    extra_bytes: int = 0  # what each of its workers holds beyond the footprint and KV (its LoRA slots)
 
 
 def plan_models(machine: Machine, asks: list[ModelAsk], *, workers: int | None = None, threads: int | None = None,
@@ -48,12 +50,13 @@ def plan_models(machine: Machine, asks: list[ModelAsk], *, workers: int | None =
         a = asks[0]
         return [plan_workers(machine, workers=a.workers if a.workers is not None else workers, threads=threads,
                              kv_cache_bytes=kv_cache_bytes, standby=standby, kv_bytes_per_token=a.kv_bytes_per_token,
-                             max_seqs=max_seqs, max_model_len=max_model_len, pin=pin)]
+                             max_seqs=max_seqs, max_model_len=max_model_len, pin=pin, extra_bytes=a.extra_bytes)]
     counts = _split_workers(machine, asks, workers, threads, standby * len(asks))
     whole = plan_workers(machine, workers=sum(counts), threads=threads, kv_cache_bytes=kv_cache_bytes,
                          standby=standby * len(asks), max_seqs=max_seqs, max_model_len=max_model_len, pin=pin)
     processes = sum(counts) + standby * len(asks)
-    left = machine.available_bytes - FRONTEND_RESERVE_BYTES - processes * WORKER_FOOTPRINT_BYTES
+    left = (machine.available_bytes - FRONTEND_RESERVE_BYTES - processes * WORKER_FOOTPRINT_BYTES
+            - sum(a.extra_bytes * (n + standby) for a, n in zip(asks, counts)))
     each = int(KV_MEMORY_SHARE * max(left, 0) / processes)
     plans, first = [], 0
     for a, n in zip(asks, counts):

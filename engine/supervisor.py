@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenline.engine.autoscale import AddWorker, AutoscaleConfig, Autoscaler, Pressure
+from tokenline.engine.autoscale import AddWorker, AutoscaleConfig, Autoscaler, GiveBack, Pressure, Share, share_workers
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.machine import cpu_list_text, pin_process
 from tokenline.engine.supervisor_swaps import SwapIns
@@ -64,7 +64,7 @@ class Supervisor(SwapIns):
                  factory: Callable[..., Any] = WorkerHandle, autoscale: AutoscaleConfig | None = None,
                  pressure: Callable[[str, float, int, dict[int, float]], Pressure] | None = None,
                  cpu_sets: tuple[tuple[int, ...], ...] = (), serve_while_compiling: bool = False,
-                 on_retire: Callable[[int], None] = lambda wid: None):
+                 on_retire: Callable[[int], None] = lambda wid: None, share: Share | None = None):
         self.loop = asyncio.get_running_loop()
         self.worker_configs = workers
         self.on_ready, self.on_lost, self.on_report, self.on_capacity = on_ready, on_lost, on_report, on_capacity
@@ -87,6 +87,8 @@ class Supervisor(SwapIns):
         self.target = {name: count for name, (_, count) in workers.items()}  # active workers wanted per model
         self.autoscalers = {name: Autoscaler(autoscale) for name in workers} if autoscale and pressure else {}
         self.pressure = pressure
+        self.share = share  # several models under one worker budget (autoscale.py share_workers); None: each alone
+        self.given_back: set[int] = set()  # borrowed workers retiring for the model that lent them
         self._retiring: set[int] = set()  # removed by the autoscaler: their exit is no crash
         self._idle_since: dict[int, float] = {}
         self._scale_timer: asyncio.TimerHandle | None = None
@@ -141,6 +143,12 @@ class Supervisor(SwapIns):
         except (BrokenPipeError, OSError, EOFError):
             pass  # its exit is being reported; its runs will be requeued then
 
+    def send_to_model(self, model: str, msg: object) -> None:
+        """To every live worker of `model`: active, standby, loading or finishing its runs."""
+        for wid, handle in list(self.handles.items()):
+            if self._model_of.get(wid) == model:
+                self.send(wid, msg)
+
     def expect(self, worker_id: int) -> None:
         """Work went to a worker that had none: its silence so far was no hang."""
         if self.watchdog is not None:
@@ -183,6 +191,28 @@ class Supervisor(SwapIns):
         self.on_capacity()
         self.loop.run_in_executor(None, handle.terminate, 10.0)
         return True
+
+    def retire_worker(self, worker_id: int) -> bool:
+        """Stop an active worker without dropping a stream: no new work for it (`on_retire`), stopped once it runs
+        nothing, not restarted (a worker given back to the model that lent it: autoscale.py share_workers)."""
+        model = self._model_of.get(worker_id)
+        if model is None or worker_id not in self.specs:
+            return False
+        self.target[model] -= 1
+        self.given_back.add(worker_id)
+        self._retirees[worker_id] = time.monotonic()
+        self.specs.pop(worker_id)
+        self.cpu_set_of.pop(worker_id, None)
+        self.on_retire(worker_id)
+        self.on_capacity()
+        self._stop_idle_retirees()
+        return True
+
+    def _workers_in_use(self) -> int:
+        """Worker processes counted against a shared budget: every one but standbys and a compiled one being built
+        (active, starting, and those finishing their streams or stopping all hold memory)."""
+        building = set(self._swap_in.values())
+        return sum(1 for w in self._model_of if w not in self._standby_ids and w not in building)
 
     # ------------------------------------------------------------ versions (server/admin.py)
 
@@ -233,20 +263,33 @@ class Supervisor(SwapIns):
                 self._idle_since.pop(wid, None)
             else:
                 self._idle_since.setdefault(wid, now)
+        decisions, pressures = {}, {}
         for model, scaler in self.autoscalers.items():
-            if model in self.start_errors:
+            if model in self.start_errors or model in self.retired_models:
                 continue
-            pressure = self.pressure(model, now, self.starting(model), self._idle_since)
-            for decision in scaler.decide(now, pressure):
-                if isinstance(decision, AddWorker):
-                    wid = self.add_worker(model)
-                    self.scale_decisions[model, "add"] += 1
-                    log.warning("autoscale: adding worker %d for model %s (%d → %d workers): %s", wid, model,
-                                self.target[model] - 1, self.target[model], decision.reason)
-                elif decision.worker_id not in busy and self.remove_worker(decision.worker_id):
-                    self.scale_decisions[model, "remove"] += 1
-                    log.warning("autoscale: removing worker %d of model %s (%d → %d workers): %s", decision.worker_id,
-                                model, self.target[model] + 1, self.target[model], decision.reason)
+            pressures[model] = self.pressure(model, now, self.starting(model), self._idle_since)
+            decisions[model] = scaler.decide(now, pressures[model])
+        if self.share is not None:  # several models under one budget: lend idle workers, take borrowed ones back
+            minimum = {m: s.config.min_workers for m, s in self.autoscalers.items()}
+            actions = share_workers(decisions, pressures, minimum, self.share, now, in_use=self._workers_in_use())
+        else:
+            actions = [(m, d) for m, ds in decisions.items() for d in ds]
+        for model, decision in actions:
+            if isinstance(decision, AddWorker):
+                wid = self.add_worker(model)
+                self.scale_decisions[model, "add"] += 1
+                log.warning("autoscale: adding worker %d for model %s (%d → %d workers): %s", wid, model,
+                            self.target[model] - 1, self.target[model], decision.reason)
+            elif isinstance(decision, GiveBack):
+                if self.retire_worker(decision.worker_id):
+                    self.scale_decisions[model, "give back"] += 1
+                    log.warning("autoscale: retiring worker %d of model %s (%d → %d workers; it finishes its streams): "
+                                "%s", decision.worker_id, model, self.target[model] + 1, self.target[model],
+                                decision.reason)
+            elif decision.worker_id not in busy and self.remove_worker(decision.worker_id):
+                self.scale_decisions[model, "remove"] += 1
+                log.warning("autoscale: removing worker %d of model %s (%d → %d workers): %s", decision.worker_id,
+                            model, self.target[model] + 1, self.target[model], decision.reason)
         self._scale_timer = self.loop.call_later(AUTOSCALE_CHECK_S, self._autoscale)
 
     def _spawn(self, model: str, cfg: WorkerConfig, *, standby: bool = False) -> int:

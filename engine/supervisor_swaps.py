@@ -103,7 +103,9 @@ class SwapIns:
             self._retiring.add(wid)
             self._retired.add(wid)
             self.on_lost(wid)
-            kind = "old version" if self._model_of.get(wid) in self.retired_models else "eager"
+            kind = ("old version" if self._model_of.get(wid) in self.retired_models
+                    else "given back" if wid in self.given_back else "eager")
+            self.given_back.discard(wid)
             log.info("worker %d (%s) retired: stopped %.1f s after it was replaced, its runs finished", wid, kind,
                      time.monotonic() - since)
             handle = self.handles.get(wid)

@@ -134,7 +134,8 @@ class WorkItem:
     # Prompt log-probabilities already delivered (by an earlier attempt): not computed again.
     prompt_logprobs_sent: bool = False
     # A LoRA adapter of the worker's model (WorkerConfig.lora_adapters): (name, id, folder); None: the base model.
-    # Every run of a request carries its request's, so a continuation runs on the same weights.
+    # Every run of a request carries its request's, so a continuation runs on the same weights. A worker that has
+    # not loaded it (an adapter loaded through the admin service after the worker started) loads it from the folder.
     lora: tuple[str, int, str] | None = None
 
 
@@ -249,6 +250,16 @@ class Admit:
 @dataclass(frozen=True)
 class Abort:
     keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AdapterChange:
+    """The model's LoRA adapters changed (the admin service, server/admin.py): load `add` ((name, folder, id) each)
+    now, so that the first request naming one does not wait for it, and remove the adapters `drop` names (by id) from
+    the engine, freeing their slots. A worker that started later has the change in its WorkerConfig."""
+
+    add: tuple[tuple[str, str, int], ...] = ()
+    drop: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

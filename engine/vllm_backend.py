@@ -24,7 +24,7 @@ from tokenline.engine import selfcheck
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.detokenize import StopAcrossAttempts, delivered_text
 from tokenline.engine.kernels import step_plans_enabled
-from tokenline.engine.types import FinishReason, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
+from tokenline.engine.types import AdapterChange, FinishReason, SeqOutput, StepPlan, StepReport, WorkerSpec, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ class VllmBackend:
         reference, self.self_check = self._reference()
         self.full_step_s = 0.0  # a step of a whole prefill budget, timed in the self-check
         self.engine, self.execution = build_engine(config, worker_id)
-        self.loras = self._load_adapters()  # id -> vLLM's LoRARequest
+        self.loras: dict[int, Any] = {}  # id -> vLLM's LoRARequest
+        self._load_adapters()
         self.kernel.read_from(self.engine)
         self.view = ScheduleHook(self.engine)
         self.view.generators = rewindable_generators_on_cpu(self.engine)
@@ -110,7 +111,7 @@ class VllmBackend:
     def _run_self_check(self, reference: selfcheck.Reference) -> str:
         """Compare greedy probes with the float32 reference; raise selfcheck.SelfCheckFailed in strict mode."""
         timing = ProbeTiming()
-        verdict = selfcheck.compare(reference, run_probes(self.engine, reference, timing, read=not self.config.lora_adapters))
+        verdict = selfcheck.compare(reference, run_probes(self.engine, reference, timing, read=not self.config.lora_on))
         self.full_step_s = timing.full_step_s(self.config.prefill_token_budget)
         log.info("worker %d: a step of %d prompt tokens took %.2f s (a whole budget of %d: ~%.2f s)", self.worker_id,
                  timing.first_step_tokens, timing.first_step_s, self.config.prefill_token_budget, self.full_step_s)
@@ -131,18 +132,54 @@ class VllmBackend:
     def _load_adapters(self) -> dict[int, Any]:
         """Every LoRA adapter of the model, loaded now: a folder vLLM cannot load stops the worker's start with
         vLLM's message, rather than fail the first request that names it."""
-        if not self.config.lora_adapters:
-            return {}
+        self.loras = {}
+        for name, folder, lora_id in self.config.lora_adapters:
+            self._load_adapter(name, folder, lora_id)
+        if self.loras:
+            log.info("worker %d: LoRA adapters loaded: %s", self.worker_id,
+                     ", ".join(n for n, _, _ in self.config.lora_adapters))
+        return self.loras
+
+    def _load_adapter(self, name: str, folder: str, lora_id: int) -> Any:
+        """One adapter into the engine (its weights read from the folder now); RuntimeError with why if it does not
+        load. The engine holds at most WorkerConfig.max_loras of them: the frontend never loads more (server/admin.py)."""
         from vllm.lora.request import LoRARequest
 
-        loras = {}
-        for i, (name, folder) in enumerate(self.config.lora_adapters, start=1):
-            request = LoRARequest(name, i, folder)
-            if not self.engine.add_lora(request):
-                raise RuntimeError(f"LoRA adapter {name!r} ({folder}) did not load")
-            loras[i] = request
-        log.info("worker %d: LoRA adapters loaded: %s", self.worker_id, ", ".join(n for n, _ in self.config.lora_adapters))
-        return loras
+        request = LoRARequest(name, lora_id, folder)
+        try:
+            loaded = self.engine.add_lora(request)
+        except Exception as e:  # noqa: BLE001  vLLM's own reason (a rank above max_lora_rank, a bad weights file)
+            raise RuntimeError(f"LoRA adapter {name!r} ({folder}) did not load: {first_line(e)}") from None
+        if not loaded:
+            raise RuntimeError(f"LoRA adapter {name!r} ({folder}) did not load")
+        self.loras[lora_id] = request
+        return request
+
+    def change_adapters(self, change: AdapterChange) -> None:
+        """Adapters loaded or unloaded through the admin service. Dropping one frees its slot in the engine (the
+        frontend drops an adapter only once nothing of it runs); one that fails to load here is logged, and a request
+        naming it is then refused with the same reason when it comes (`add`)."""
+        for lora_id in change.drop:
+            if self.loras.pop(lora_id, None) is not None:
+                self.engine.remove_lora(lora_id)
+                log.info("worker %d: LoRA adapter %d unloaded", self.worker_id, lora_id)
+        for name, folder, lora_id in change.add:
+            if lora_id in self.loras:
+                continue
+            try:
+                self._load_adapter(name, folder, lora_id)
+                log.info("worker %d: LoRA adapter %s loaded", self.worker_id, name)
+            except RuntimeError as e:
+                log.warning("worker %d: %s", self.worker_id, e)
+
+    def _lora_request(self, item: WorkItem) -> Any:
+        if item.lora is None:
+            return None
+        name, lora_id, folder = item.lora
+        request = self.loras.get(lora_id)
+        if request is None:  # loaded after this worker started, and its AdapterChange not read yet (or it failed)
+            request = self._load_adapter(name, folder, lora_id)
+        return request
 
     def add(self, item: WorkItem) -> None:
         sampling = item.sampling
@@ -156,14 +193,12 @@ class VllmBackend:
                 sampling = replace(sampling, stop=())
             params = sampling_params(sampling, delivered=item.delivered_tokens,
                                      prompt_logprobs=not item.prompt_logprobs_sent)
-            if item.lora is not None and item.lora[1] not in self.loras:
-                raise ValueError(f"LoRA adapter {item.lora[0]!r} is not loaded on this worker")
             internal = self.engine.add_request(
                 item.key,
                 {"prompt_token_ids": list(item.prompt_token_ids)},
                 params,
                 priority=item.priority,
-                lora_request=self.loras[item.lora[1]] if item.lora is not None else None,
+                lora_request=self._lora_request(item),
             )
         except Exception as e:  # one bad item must not take the replica down with it
             self._stops.pop(item.key, None)

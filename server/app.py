@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenline.engine.autoscale import AutoscaleConfig
+from tokenline.engine.autoscale import AutoscaleConfig, Share
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.watchdog import StepWatchdog
@@ -92,6 +92,9 @@ class ServeConfig:
         "'host:6379'), placed by Ray by CPUs (and one GPU each where the cluster has GPUs); default: local processes. "
         "Without --workers, one worker per --threads CPUs of the cluster", metavar="ADDRESS")
     autoscale: AutoscaleConfig | None = None  # add and remove workers on queue age and deadline pressure; None: fixed
+    # Several models autoscaled under one worker budget, idle workers lent and borrowed ones given back
+    # (engine/autoscale.py share_workers); None: each model alone.
+    share: Share | None = None
     # CPUs to bind local workers to, one set per worker (engine/machine.py pin_sets); empty: the OS places them
     worker_cpus: tuple[tuple[int, ...], ...] = ()
 
@@ -145,7 +148,7 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
         print(f"tokenline: workers are Ray actors on {config.ray_address} ({cluster.resources().get('CPU', 0):g} CPUs, "
               f"{len(cluster.alive_nodes())} nodes)", flush=True)
     runtime = Runtime(scheduler_config, {wc.model_name: (wc, n) for wc, n in config.models}, standby=config.standby_workers,
-                      watchdog=watchdog, worker_factory=worker_factory, autoscale=config.autoscale,
+                      watchdog=watchdog, worker_factory=worker_factory, autoscale=config.autoscale, share=config.share,
                       cpu_sets=config.worker_cpus,  # bound only where a worker is a local process
                       serve_while_compiling=config.serve_while_compiling)
     if config.step_log:
@@ -165,8 +168,9 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     for wc, _ in config.models:
         path = pathlib.Path(wc.model_path)
         version = wc.model_version or model_version(path)
+        served.lora_capacity[wc.model_name] = max(wc.max_loras, len(wc.lora_adapters))
         served.add(load_served_model(wc.model_name, path, version, wc.max_model_len), current=True)
-        for lora_id, (name, folder) in enumerate(wc.lora_adapters, start=1):  # ids as the workers load them
+        for name, folder, lora_id in wc.lora_adapters:  # ids as the workers load them
             served.add_adapter(wc.model_name, name, lora_id, folder)
     if config.tool_call_parser:  # vLLM's parsers: seconds to import, off the loop, before serving
         from tokenline.server.tool_parsers import VllmToolParsers

@@ -137,10 +137,15 @@ class ModelCatalog(Mapping[str, ServedModel]):
         self._loaded: dict[str, ServedModel] = {}
         self._current: dict[str, str] = {}  # name -> key of its current version
         self._adapters: dict[str, tuple[str, int, str, str]] = {}  # adapter name -> (model name, id, folder, version)
+        # Adapters unloaded whose requests are still running (server/admin.py): they hold their slots until then.
+        self.unloading: dict[str, tuple[str, int, str, str]] = {}
+        self.lora_capacity: dict[str, int] = {}  # model name -> adapters it can hold at once (0: LoRA off)
+        self._last_lora_id: dict[str, int] = {}  # model name -> the last adapter id given (ids are never reused)
 
     def add(self, model: ServedModel, *, current: bool) -> None:
         self._loaded[model.key] = model
-        model.lora_on = model.lora_on or any(base == model.name for base, *_ in self._adapters.values())
+        model.lora_on = (model.lora_on or any(base == model.name for base, *_ in self._adapters.values())
+                         or self.lora_capacity.get(model.name, 0) > 0)
         if current or model.name not in self._current:
             self._current[model.name] = model.key
 
@@ -172,9 +177,25 @@ class ModelCatalog(Mapping[str, ServedModel]):
         from tokenline.engine.lora import adapter_version
 
         self._adapters[name] = (base, lora_id, folder, adapter_version(folder))
-        model = self.current(base)
-        if model is not None:
-            model.lora_on = True
+        self._last_lora_id[base] = max(self._last_lora_id.get(base, 0), lora_id)
+        for model in self._loaded.values():
+            if model.name == base:
+                model.lora_on = True
+
+    def next_lora_id(self, base: str) -> int:
+        """An id for the next adapter of `base`: never one an earlier adapter had (a worker may still hold it)."""
+        return self._last_lora_id.get(base, 0) + 1
+
+    def remove_adapter(self, name: str) -> tuple[str, int, str, str]:
+        """Stop serving the adapter `name` (a request naming it is NOT_FOUND from now on); it is `unloading` until its
+        running requests end (server/admin.py). Its (model, id, folder, files' version)."""
+        found = self._adapters.pop(name)
+        self.unloading[name] = found
+        return found
+
+    def adapters_of(self, base: str) -> list[str]:
+        """The adapters of `base` that hold a slot: served, or unloaded with requests still running."""
+        return [n for n, (b, *_) in [*self._adapters.items(), *self.unloading.items()] if b == base]
 
     def adapters(self) -> list[ServedModel]:
         """Each adapter, as a request naming it sees it (on its model's current version)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenline.engine.config import MiB, WorkerConfig
 from tokenline.engine.flagspec import read_flags
 from tokenline.engine.scheduler.config import SchedulerConfig
-from tokenline.server.model_flags import lora_flags, model_flags
+from tokenline.server.model_flags import lora_flags, max_loras_flags, model_flags
 
 # Only light modules at the top: a worker process is spawned, and a spawned child imports the parent's main
 # module again (this one, or the `tokenline` script that imports it). The frontend's modules (gRPC,
@@ -18,7 +18,7 @@ from tokenline.server.model_flags import lora_flags, model_flags
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tokenline.engine.machine import choose_dtype, kv_bytes_per_token, read_machine
+    from tokenline.engine.machine import _size, choose_dtype, kv_bytes_per_token, read_machine
     from tokenline.engine.model_plan import ModelAsk, describe_models, plan_models
     from tokenline.engine.models import ModelPrepError, resolve_model
     from tokenline.server.app import ServeConfig, run
@@ -33,10 +33,12 @@ def run_serve(args: argparse.Namespace) -> int:
         paths = [resolve_model(m.model) for m in asked]
         names = [m.name or path.name for m, path in zip(asked, paths)]
         loras = _adapters(args, names)
+        capacity = _lora_capacity(args, names, loras)
         workers = args.workers if args.workers is not None or not args.ray_address else _ray_workers(args)
         machine = read_machine()
         dtype, why = choose_dtype(args.dtype, gpus=machine.gpus)
-        plans = plan_models(machine, [ModelAsk(name, kv_bytes_per_token(path, dtype), m.workers)
+        lora_bytes = {name: _lora_bytes(path, *capacity[name], dtype) for name, path in zip(names, paths)}
+        plans = plan_models(machine, [ModelAsk(name, kv_bytes_per_token(path, dtype), m.workers, lora_bytes[name])
                                       for m, name, path in zip(asked, names, paths)],
                             workers=workers, threads=args.threads,
                             kv_cache_bytes=args.kv_cache_mb * MiB if args.kv_cache_mb is not None else None,
@@ -47,8 +49,10 @@ def run_serve(args: argparse.Namespace) -> int:
         served = tuple((read_flags(args, WorkerConfig, model_path=str(path), model_name=name,
                                    kv_cache_bytes=plan.kv_cache_bytes, threads=plan.threads, dtype=dtype,
                                    compile=args.compile == "on" and args.engine == "vllm", lora_adapters=loras[name],
+                                   max_loras=capacity[name][0], max_lora_rank=capacity[name][1],
+                                   model_version=m.version,
                                    **_sim_costs(args)),
-                        plan.workers) for name, path, plan in zip(names, paths, plans))
+                        plan.workers) for m, name, path, plan in zip(asked, names, paths, plans))
         worker = served[0][0]
         limits = read_flags(args, Limits, default_max_tokens=args.default_max_tokens
                             or min(Limits.default_max_tokens, args.max_tokens_limit))
@@ -57,7 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             limits=limits, fault_marker=args.fault_marker,
                             idempotency_db=_store_path(args.idempotency_db, args.port, "idempotency"),
                             web=_web_config(args), jobs=_job_config(args),
-                            autoscale=_autoscale_config(args, plans),
+                            autoscale=_autoscale_config(args, plans), share=_share(args, names, plans),
                             worker_cpus=tuple(cpus for plan in plans for cpus in plan.cpu_sets),
                             telemetry=read_flags(args, TelemetryConfig, metrics_host=args.host))
     except (ValueError, ModelPrepError) as err:
@@ -65,9 +69,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     plan_text = f"{names[0]}: {plans[0].describe()}" if len(plans) == 1 else describe_models(names, plans)
     how = "compiled" if worker.compile else "eager"
-    adapters = [f"{a} (of {m})" for m, names_ in loras.items() for a, _ in names_]
-    if adapters:
-        plan_text += f"; LoRA adapters: {', '.join(adapters)}"
+    for name, (slots, rank) in capacity.items():
+        if slots:
+            given = ", ".join(a for a, _, _ in loras[name]) or "none yet"
+            plan_text += (f"; {name}: LoRA {slots} adapter{'s' if slots != 1 else ''} at once, rank ≤ {rank}, "
+                          f"{_size(lora_bytes[name])} each worker (adapters: {given})")
     print(f"tokenline: {plan_text}, {dtype} ({why}), {how}; {targets_text(sched.interactive)}", flush=True)
     if worker.compile and not _compiled_before():
         print("tokenline: compiling the model for this machine: a minute or two this once, later starts reuse it "
@@ -78,17 +84,50 @@ def run_serve(args: argparse.Namespace) -> int:
     return run(config)
 
 
-def _adapters(args: argparse.Namespace, names: list[str]) -> dict[str, tuple[tuple[str, str], ...]]:
-    """Each model's LoRA adapters (--lora), their folders checked now: a bad one stops the start, with why."""
+def _adapters(args: argparse.Namespace, names: list[str]) -> dict[str, tuple[tuple[str, str, int], ...]]:
+    """Each model's LoRA adapters (--lora) as (name, folder, id), their folders checked now: a bad one stops the
+    start, with why."""
     from tokenline.engine.lora import adapter_rank, engine_rank
 
     loras = lora_flags(args.lora, names)
-    if any(loras.values()) and args.engine != "vllm":
-        raise ValueError("--lora needs the vLLM engine: the simulated engine has no weights to adapt")
+    if (any(loras.values()) or any(max_loras_flags(args.lora_max, names).values())) and args.engine != "vllm":
+        raise ValueError("--lora and --max-loras need the vLLM engine: the simulated engine has no weights to adapt")
     for adapters in loras.values():
         for _, folder in adapters:
             engine_rank(adapter_rank(folder))
-    return {m: tuple((n, str(Path(f).resolve())) for n, f in a) for m, a in loras.items()}
+    return {m: tuple((n, str(Path(f).resolve()), i) for i, (n, f) in enumerate(a, start=1)) for m, a in loras.items()}
+
+
+def _lora_capacity(args: argparse.Namespace, names: list[str],
+                   loras: dict[str, tuple[tuple[str, str, int], ...]]) -> dict[str, tuple[int, int]]:
+    """Each model's (adapters at once, engine rank): (0, 0) for a model with LoRA off."""
+    from tokenline.engine.lora import adapter_rank, engine_rank
+
+    if args.lora_rank is not None:
+        engine_rank(args.lora_rank)  # one vLLM takes, or why not
+        if args.lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be at least 1, got {args.lora_rank}")
+    asked = max_loras_flags(args.lora_max, names)
+    out = {}
+    for name in names:
+        given = loras[name]
+        slots = max(asked[name], len(given))
+        if asked[name] and asked[name] < len(given):
+            raise ValueError(f"--max-loras {asked[name]} for {name!r}, but {len(given)} adapters are given with --lora: "
+                             "raise it, or give fewer")
+        ranks = [adapter_rank(folder) for _, folder, _ in given] + ([args.lora_rank] if args.lora_rank else [])
+        out[name] = (slots, engine_rank(max(ranks, default=16))) if slots else (0, 0)
+    return out
+
+
+def _lora_bytes(path: Path, slots: int, rank: int, dtype: str) -> int:
+    """What a model's LoRA slots take in each worker (the spare slot included: engine/vllm_build.py _lora_args)."""
+    if not slots:
+        return 0
+    from tokenline.engine import modelconfig
+    from tokenline.engine.lora import slot_bytes
+
+    return (slots + 1) * slot_bytes(modelconfig.read_config(path), rank, 2 if dtype in ("bfloat16", "float16") else 4)
 
 
 def targets_text(interactive) -> str:
@@ -135,15 +174,26 @@ def _autoscale_config(args: argparse.Namespace, plans: list):
         return None
     from tokenline.engine.autoscale import AutoscaleConfig
 
-    if len(plans) > 1:
-        raise ValueError("the autoscaler sizes one model's workers: with several models, give each its workers "
-                         "(--model-workers NAME=N) and leave --autoscale-max-workers out")
-    workers = plans[0].workers
+    # With several models each keeps one worker at least (the rest of its share can be lent: _share).
+    workers = plans[0].workers if len(plans) == 1 else 1
     minimum = workers if args.autoscale_min_workers is None else args.autoscale_min_workers
     if args.autoscale_max_workers < max(minimum, 1):
         raise ValueError(f"--autoscale-max-workers ({args.autoscale_max_workers}) must be at least the minimum "
                          f"({minimum}: --autoscale-min-workers, else --workers)")
     return read_flags(args, AutoscaleConfig, min_workers=minimum)
+
+
+def _share(args: argparse.Namespace, names: list[str], plans: list):
+    """Several models autoscaled: one budget, the machine plan's workers together; each model's own count is its
+    plan's. An idle worker is lent to a model that needs one, and given back when its own model needs it."""
+    if len(plans) < 2 or not args.autoscale_max_workers:
+        return None
+    from tokenline.engine.autoscale import Share
+
+    if not args.lend_after_s >= 0:
+        raise ValueError(f"--lend-idle-after-s must be 0 or more seconds, got {args.lend_after_s}")
+    return Share(budget=sum(p.workers for p in plans), own={n: p.workers for n, p in zip(names, plans)},
+                 lend_after_s=args.lend_after_s)
 
 
 def _sim_costs(args: argparse.Namespace) -> dict:

@@ -67,6 +67,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--lora", action="append", default=None, metavar="[MODEL/]NAME=FOLDER",
                        help="a LoRA adapter (a peft folder) of the model (of MODEL, with several), served as model "
                             "NAME: its requests run on the model's workers, batched with the model's own (repeatable)")
+    model.add_argument("--max-loras", action="append", default=None, metavar="[MODEL=]N", dest="lora_max",
+                       help="LoRA adapters a model can hold at once, those given with --lora and those loaded later "
+                            "with `tokenline admin load-adapter` (default: its --lora count; 0 and no --lora: LoRA "
+                            "off). Each takes a slot of preallocated memory in every worker, counted in the plan; "
+                            "without MODEL= it is every model's (repeatable)")
+    model.add_argument("--max-lora-rank", type=int, default=None, metavar="R", dest="lora_rank",
+                       help="the largest rank an adapter loaded later may have (default: the largest of the --lora "
+                            "adapters' ranks, 16 with none; vLLM takes 1, 8, 16, 32, 64, 128, 256, 320, 512)")
     model.add_argument("--pin-workers", choices=("on", "off"), default="off",
                        help="on: when the workers' threads fill the usable CPUs exactly, bind each worker to CPUs of "
                             "its own (measured ~4 %% more output tok/s at saturation on 2 cores, but on Linux with "
@@ -80,9 +88,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
     add_flags(p.add_argument_group("scheduler"), SchedulerConfig, defaults=SCHEDULER_DEFAULTS)
     add_flags(p.add_argument_group("requests"), Limits, defaults={"default_max_tokens": None})
-    add_flags(p.add_argument_group("autoscaler (off unless --autoscale-max-workers)"), AutoscaleConfig,
-              defaults={"min_workers": None, "max_workers": 0},
-              helps={"min_workers": "the autoscaler never goes below this many workers (default: --workers)"})
+    scaler = p.add_argument_group("autoscaler (off unless --autoscale-max-workers)")
+    add_flags(scaler, AutoscaleConfig, defaults={"min_workers": None, "max_workers": 0},
+              helps={"min_workers": "the autoscaler never goes below this many workers (default: --workers; 1 "
+                                    "each with several models)"})
+    scaler.add_argument("--lend-idle-after-s", type=float, default=5.0, dest="lend_after_s", metavar="S",
+                        help="several models autoscaled share the machine's workers: a worker idle this long is lent "
+                             "to a model that needs one (down to its model's minimum), and a borrowed worker is "
+                             "given back, once its streams end, when its own model needs it (default %(default)s)")
 
     access = p.add_argument_group("access")
     add_flags(access, ServeConfig, only=("api_keys_file", "tls_cert", "tls_key", "tls_client_ca"))

@@ -222,7 +222,7 @@ def job_pb(job: JobRecord) -> pb.Job:
     return pb.Job(job_id=job.job_id, state=_STATE_PB[job.state], model=job.model, idempotency_key=job.idempotency_key,
                   attempts=job.attempts, tokens_stored=job.tokens, finish_reason=_FINISH_PB.get(job.finish_reason or "", 0),
                   error=job.error or "", created_unix_ms=int(job.created * 1000),
-                  finished_unix_ms=int(job.finished * 1000) if job.finished else 0)
+                  finished_unix_ms=int(job.finished * 1000) if job.finished else 0, model_version=job.model_version or "")
 
 
 def _token(job: JobRecord) -> str:

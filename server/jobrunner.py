@@ -338,7 +338,8 @@ class JobRunner:
         deadline = None if job.deadline is None else now + (job.deadline - time.time())
         state = RequestState(key=RequestKey(job.tenant, f"job:{job.job_id}"), model=served.key, cls=TrafficClass(job.cls),
                              prompt_ids=json.loads(job.prompt_ids), sampling=sampling,
-                             timeline=Timeline(received=now, validated=now), deadline=deadline, lora=served.adapter)
+                             timeline=Timeline(received=now, validated=now), deadline=deadline, lora=served.adapter,
+                             version=served.version)
         if stored:
             # Taken over: the checkpointed tokens are delivered; the runtime continues after them,
             # as it continues a run after a worker crash.

@@ -1,15 +1,17 @@
-"""`--model`, `--model-workers` and `--lora`: which models a server serves, by what names, on how many workers,
+"""`--model`, `--model-workers`, `--lora` and `--max-loras`: which models a server serves, by what names, on how many workers,
 with which LoRA adapters (issue 34).
 
 `--model MODEL` once serves one model under its derived name (or `--model-name`); repeated, each is
 `NAME=MODEL` or `MODEL` (named after its folder), and every model runs on workers of its own
 (engine/model_plan.py splits the machine). `--model-workers NAME=N` gives one model its own count.
+`MODEL@VERSION` labels the version (what `name@version` and ListModels say) instead of a hash of its files.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
@@ -19,6 +21,7 @@ class ModelFlag:
     name: str | None  # None: derived from the model's folder
     model: str | None  # what resolve_model takes: a built-in name, a folder; None: the default model
     workers: int | None = None
+    version: str | None = None  # `MODEL@VERSION`: the operator's label; None: a content hash of its files
 
 
 def model_flags(models: list[str] | None, model_name: str | None, model_workers: list[str] | None) -> list[ModelFlag]:
@@ -36,7 +39,8 @@ def model_flags(models: list[str] | None, model_name: str | None, model_workers:
         if name is not None and not NAME.match(name):
             raise ValueError(f"model name {name!r}: use letters, digits, '.', '_', ':' or '-' (at most 128, "
                              "starting with a letter or digit)")
-        flags.append(ModelFlag(name, model))
+        model, version = _version(model)
+        flags.append(ModelFlag(name, model, version=version))
     counts = _counts(model_workers or [])
     if counts:
         if len(flags) == 1 and flags[0].name is None:
@@ -46,8 +50,22 @@ def model_flags(models: list[str] | None, model_name: str | None, model_workers:
         if unknown:
             raise ValueError(f"--model-workers names {', '.join(map(repr, unknown))}, not a model given by --model "
                              f"NAME=MODEL (models: {', '.join(sorted(n for n in names if n))})")
-        flags = [ModelFlag(f.name, f.model, counts.get(f.name)) for f in flags]
+        flags = [ModelFlag(f.name, f.model, counts.get(f.name), f.version) for f in flags]
     return flags
+
+
+VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _version(model: str | None) -> tuple[str | None, str | None]:
+    """`MODEL@VERSION` as (MODEL, VERSION); a model whose own path has an '@' in it is not split."""
+    if model is None or "@" not in model or Path(model).exists():
+        return model, None
+    path, _, version = model.rpartition("@")
+    if not path or not VERSION.match(version):
+        raise ValueError(f"--model {model!r}: a version label after '@' is letters, digits, '.', '_' or '-' (at most "
+                         "64, starting with a letter or digit)")
+    return path, version
 
 
 def _counts(values: list[str]) -> dict[str, int]:
@@ -85,3 +103,24 @@ def lora_flags(values: list[str] | None, models: list[str]) -> dict[str, tuple[t
         seen.add(name)
         out[model].append((name, folder))
     return {m: tuple(a) for m, a in out.items()}
+
+
+def max_loras_flags(values: list[str] | None, models: list[str]) -> dict[str, int]:
+    """`--max-loras [MODEL=]N`s as each model's adapter capacity (0: not given); N without MODEL= is every model's,
+    and a MODEL=N after it overrides it for that model. ValueError with what to fix."""
+    out = dict.fromkeys(models, 0)
+    for value in values or []:
+        model, eq, count = value.rpartition("=")
+        try:
+            n = int(count)
+        except ValueError:
+            n = -1
+        if n < 0 or (eq and not model):
+            raise ValueError(f"--max-loras {value!r}: give N, or MODEL=N, with N at least 0")
+        if not eq:
+            out = dict.fromkeys(models, n)
+        elif model not in out:
+            raise ValueError(f"--max-loras {value!r}: {model!r} is not a served model (models: {', '.join(models)})")
+        else:
+            out[model] = n
+    return out

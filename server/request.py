@@ -89,13 +89,14 @@ class RequestState:
     def __init__(self, key: RequestKey, model: str, cls: TrafficClass, prompt_ids: list[int], sampling: Sampling,
                  timeline: Timeline, deadline: float | None, *, fault_marker: bool = False,
                  must_complete_by_deadline: bool = False, idempotency_key: str = "", itl_target_s: float | None = None,
-                 group: str | None = None, lora: tuple[str, int, str] | None = None):
+                 group: str | None = None, lora: tuple[str, int, str] | None = None, version: str = ""):
         self.entry = Entry(key=key, model=model, tenant=key.tenant, cls=cls, prompt_tokens=len(prompt_ids),
                            max_tokens=sampling.max_tokens, arrival=0.0, deadline=deadline,
                            must_complete_by_deadline=must_complete_by_deadline, itl_target_s=itl_target_s, group=group)
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.lora = lora  # a LoRA adapter of the model (ServedModel.adapter): every run of it runs with it
+        self.version = version  # ServedModel.version of what it was sent to (the adapter's own, for an adapter)
         self.timeline = timeline
         self.fault_marker = fault_marker
         self.idempotency_key = idempotency_key
@@ -112,6 +113,9 @@ class RequestState:
 
     key = property(lambda self: self.entry.key)
     model = property(lambda self: self.entry.model)
+    # What the caller named, for telemetry and the request log: a LoRA adapter's name (its runs are the base model's,
+    # `model`), else the runtime's model key ("name", or "name@version" for a version rolled out since).
+    served_as = property(lambda self: self.lora[0] if self.lora is not None else self.entry.model)
     tenant = property(lambda self: self.entry.tenant)
     cls = property(lambda self: self.entry.cls)
     deadline = property(lambda self: self.entry.deadline)

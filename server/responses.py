@@ -8,6 +8,7 @@ import collections
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from tokenline.engine.scheduler.config import model_name
 from tokenline.engine.types import STRUCTURED_FORMATS, FinishReason, PositionLogprobs
 from tokenline.server.catalog import ModelLoad, ServedModel
 from tokenline.server import convert
@@ -34,8 +35,8 @@ def finish_reason(reason: FinishReason | None) -> int:
     return _FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED) if reason is not None else pb.FINISH_REASON_UNSPECIFIED
 
 
-def timeline_pb(t: Timeline, *, attempts: int, preemptions: int) -> pb.Timeline:
-    msg = pb.Timeline(attempts=attempts, preemptions=preemptions)
+def timeline_pb(t: Timeline, *, attempts: int, preemptions: int, model: str = "", version: str = "") -> pb.Timeline:
+    msg = pb.Timeline(attempts=attempts, preemptions=preemptions, model=model, model_version=version)
     for name, value in t.stamps_ms().items():
         if value is not None:
             setattr(msg, name, value)
@@ -68,7 +69,8 @@ def final_chunk(state: RequestState, *, request_id: str = "", sample_index: int 
         request_id=request_id or state.request_id, attempt=state.attempt, index=len(state.token_ids),
         sample_index=sample_index,
         finish_reason=finish_reason(state.finish_reason), usage=_usage(state),
-        timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
+        timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions,
+                              model=model_name(state.served_as), version=state.version),
     )
 
 
@@ -76,7 +78,8 @@ def complete_response(state: RequestState) -> pb.CompleteResponse:
     return pb.CompleteResponse(
         request_id=state.request_id, attempt=state.attempt, token_ids=state.token_ids, text="".join(state.text),
         finish_reason=finish_reason(state.finish_reason), usage=_usage(state),
-        timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions),
+        timeline=timeline_pb(state.timeline, attempts=state.attempt, preemptions=state.preemptions,
+                              model=model_name(state.served_as), version=state.version),
         logprobs=logprobs_pb(state.logprobs or ()), prompt_logprobs=logprobs_pb(state.prompt_logprobs or ()),
     )
 
@@ -88,7 +91,8 @@ def complete_samples(states: Sequence[RequestState], request_id: str) -> pb.Comp
     response.samples.extend(
         pb.Sample(sample_index=i, token_ids=s.token_ids, text="".join(s.text), finish_reason=finish_reason(s.finish_reason),
                   logprobs=logprobs_pb(s.logprobs or ()), usage=_usage(s),
-                  timeline=timeline_pb(s.timeline, attempts=s.attempt, preemptions=s.preemptions))
+                  timeline=timeline_pb(s.timeline, attempts=s.attempt, preemptions=s.preemptions,
+                                     model=model_name(s.served_as), version=s.version))
         for i, s in enumerate(states))
     response.usage.completion_tokens = sum(len(s.token_ids) for s in states)
     response.usage.cached_prompt_tokens = sum(s.cached_tokens for s in states)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from tokenline.engine.autoscale import AutoscaleConfig, read_pressure
+from tokenline.engine.autoscale import AutoscaleConfig, Share, read_pressure
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
@@ -28,7 +28,8 @@ from tokenline.engine.supervisor import Supervisor
 from tokenline.engine.watchdog import StepWatchdog
 from tokenline.engine.worker import WorkerHandle
 from tokenline.server.catalog import ModelLoad
-from tokenline.server.errors import DeadlineUnmeetable, DuplicateRequest, InvalidRequest, Overloaded, Quarantined, ServingError, Unavailable
+from tokenline.server.errors import (DeadlineUnmeetable, DuplicateRequest, InvalidRequest, ModelNotFound, Overloaded,
+                                     Quarantined, ServingError, Unavailable)
 # What a request is, on the connection side; imported from here by the servicer, jobs, telemetry.
 from tokenline.server.request import _END, Chunk, RequestKey, RequestState, fingerprint  # noqa: F401
 
@@ -56,7 +57,7 @@ class Runtime:
                  *, restart_workers: bool = True, quarantine_s: float = 600.0, standby: int = 0,
                  watchdog: StepWatchdog | None = None, worker_factory: Callable[..., WorkerHandle] = WorkerHandle,
                  autoscale: AutoscaleConfig | None = None, cpu_sets: tuple[tuple[int, ...], ...] = (),
-                 serve_while_compiling: bool = False):
+                 serve_while_compiling: bool = False, share: Share | None = None):
         self.loop = asyncio.get_running_loop()
         self.scheduler = Scheduler(scheduler_config, time.monotonic)
         self.worker_configs = workers
@@ -72,11 +73,14 @@ class Runtime:
         self._timer_at: float | None = None
         self._closing = False
         self.closed_models: set[str] = set()  # versions rolled out of service: new requests for them are refused
+        # LoRA adapters unloaded from their workers, as (model name, id): a request resolved before the unload and
+        # submitted after it is refused, never loaded back into a slot the admin service counts as free.
+        self.unloaded_adapters: set[tuple[str, int]] = set()
         # A local process (WorkerHandle) or a Ray actor (engine/ray_workers.py) per worker.
         self.workers = Supervisor(workers, on_ready=self._worker_ready, on_lost=self._worker_lost, on_report=self._step_reported,
                                   on_capacity=self._capacity_changed, restart=restart_workers, standby=standby,
                                   watchdog=watchdog, busy=self._busy_workers, heaviest_step_s=self._heaviest_step_s,
-                                  factory=worker_factory, autoscale=autoscale, cpu_sets=cpu_sets,
+                                  factory=worker_factory, autoscale=autoscale, cpu_sets=cpu_sets, share=share,
                                   serve_while_compiling=serve_while_compiling, on_retire=self._worker_retiring,
                                   pressure=lambda model, now, starting, idle: read_pressure(
                                       self.scheduler, model, now, starting=starting, idle_since=idle))
@@ -126,6 +130,19 @@ class Runtime:
     def add_model(self, model: str, config: WorkerConfig, count: int) -> None:
         """Start serving another model (a version rolled out): its workers start now."""
         self.workers.add_model(model, config, count)
+
+    def change_adapters(self, model: str, add: tuple[tuple[str, str, int], ...] = (), drop: tuple[int, ...] = ()) -> None:
+        """LoRA adapters of `model` loaded or unloaded (server/admin.py): its workers load or free them now, and a
+        worker started from now on (a restart, the autoscaler, a compiled swap) starts with the new set."""
+        config, count = self.worker_configs[model]
+        adapters = tuple(a for a in config.lora_adapters if a[2] not in drop) + tuple(add)
+        self.worker_configs[model] = (replace(config, lora_adapters=adapters), count)
+        self.workers.send_to_model(model, wire.AdapterChange(add=tuple(add), drop=tuple(drop)))
+
+    def adapter_in_use(self, model_name: str, lora_id: int) -> bool:
+        """A request of the adapter `lora_id` of the model named `model_name` is queued or running."""
+        return any(st.lora is not None and st.lora[1] == lora_id and st.entry.model.split("@")[0] == model_name
+                   for st in self.requests.values())
 
     def close_model(self, model: str) -> None:
         """Take no new request for `model` (another version took its name); what it has queued still runs on it."""
@@ -182,6 +199,8 @@ class Runtime:
         """Queue a validated request; raises a ServingError when it is refused at once."""
         if self._closing:
             raise Unavailable("the server is shutting down; retry on another instance")
+        if state.lora is not None and (state.entry.model.split("@")[0], state.lora[1]) in self.unloaded_adapters:
+            raise ModelNotFound(f"the LoRA adapter {state.lora[0]!r} was unloaded")
         if state.entry.model in self.closed_models:
             raise Unavailable(f"model version {state.entry.model} was rolled out of service and is finishing its "
                               "streams; name the model without a version for the current one")

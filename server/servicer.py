@@ -288,7 +288,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                              model=valid.model.key, cls=valid.cls, prompt_ids=valid.prompt_ids, sampling=valid.sampling,
                              timeline=timeline, deadline=deadline, fault_marker=marker, idempotency_key=key,
                              must_complete_by_deadline=request.require_completion_by_deadline,
-                             itl_target_s=convert.itl_target(request, valid.cls), group=group, lora=valid.model.adapter)
+                             itl_target_s=convert.itl_target(request, valid.cls), group=group, lora=valid.model.adapter,
+                             version=valid.model.version)
         mailbox = state.subscribe()
         self.runtime.submit(state)
         return _Call(state=state, mailbox=mailbox, owner=True)

@@ -219,8 +219,8 @@ class Telemetry:
         cls = state.cls.name.lower()
         extra = self._extra.pop(state.key, None) or _Extra()
         for cause, _, lost in tl.interruptions:
-            self._lost.record(lost, {"model": state.model, "class": cls, "cause": cause})
-        labels = {"model": state.model, "class": cls, "outcome": outcome}
+            self._lost.record(lost, {"model": state.served_as, "version": state.version, "class": cls, "cause": cause})
+        labels = {"model": state.served_as, "version": state.version, "class": cls, "outcome": outcome}
         splits = {"intake_ms": _span_ms(tl.received, tl.enqueued), **tl.splits_ms()}
         reached = {
             "intake_ms": tl.enqueued is not None,
@@ -239,10 +239,11 @@ class Telemetry:
         for gap in tl.gaps:
             self._gap.record(gap, labels)
         self._requests.add(1, {**labels, "tenant": self._tenant_label(state.tenant)})
-        self._prompt_tokens.add(len(state.prompt_ids), {"model": state.model, "class": cls})
-        self._generated_tokens.add(len(state.token_ids), {"model": state.model, "class": cls})
+        self._prompt_tokens.add(len(state.prompt_ids), {"model": state.served_as, "version": state.version, "class": cls})
+        self._generated_tokens.add(len(state.token_ids), {"model": state.served_as, "version": state.version,
+                                                           "class": cls})
         trace_id = self._request_span(state, outcome, extra, splits)
-        self._log({"id": state.request_id, "model": state.model, "class": cls, "tenant": state.tenant, "outcome": outcome,
+        self._log({"id": state.request_id, "model": state.served_as, "version": state.version or None, "class": cls, "tenant": state.tenant, "outcome": outcome,
                    "prompt_tokens": len(state.prompt_ids), "tokens": len(state.token_ids), "attempts": state.attempt,
                    "preemptions": state.preemptions, **splits, "trace_id": trace_id})
 
@@ -274,8 +275,8 @@ class Telemetry:
             return None
         tl = state.timeline
         end = tl.last_byte or tl.finished or time.monotonic()
-        attributes = {"tokenline.request_id": state.request_id, "tokenline.model": state.model,
-                      "tokenline.class": state.cls.name.lower(), "tokenline.tenant": state.tenant,
+        attributes = {"tokenline.request_id": state.request_id, "tokenline.model": state.served_as,
+                      "tokenline.model_version": state.version, "tokenline.class": state.cls.name.lower(), "tokenline.tenant": state.tenant,
                       "tokenline.outcome": outcome, "tokenline.attempts": state.attempt,
                       "tokenline.preemptions": state.preemptions, "tokenline.prompt_tokens": len(state.prompt_ids),
                       "tokenline.completion_tokens": len(state.token_ids),
@@ -332,7 +333,7 @@ class Telemetry:
         st = self.runtime.requests.get(action.key)
         if st is None:
             return
-        labels = {"model": st.model, "class": st.cls.name.lower()}
+        labels = {"model": st.served_as, "version": st.version, "class": st.cls.name.lower()}
         (self._preemptions if isinstance(action, Abort) else self._retries).add(1, labels)
 
     # ------------------------------------------------------------- gauges
@@ -348,7 +349,7 @@ class Telemetry:
                 snap.queues[(model, cls.name.lower())] = (requests, tokens, rt.scheduler.oldest_age(model, cls))
                 snap.in_flight[(model, cls.name.lower())] = 0
         for st in rt.requests.values():
-            key = (st.model, st.cls.name.lower())
+            key = (st.served_as, st.cls.name.lower())
             snap.in_flight[key] = snap.in_flight.get(key, 0) + 1
         for wid, spec in rt.specs.items():
             report = self._last_step.get(wid)

@@ -170,3 +170,61 @@ def test_scaled_to_zero_the_first_queued_request_starts_a_worker_at_once():
 def test_a_bad_setting_is_refused_with_a_message_naming_it(kwargs, word):
     with pytest.raises(ValueError, match=word):
         AutoscaleConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- several models, one budget (issue 34)
+
+def test_within_the_budget_every_models_additions_pass():
+    from tokenline.engine.autoscale import Share, share_workers
+
+    share = Share(budget=4, own={"a": 2, "b": 2})
+    pressures = {"a": pressure([busy(0)]), "b": pressure([busy(1)], queued=3, age=5.0)}
+    out = share_workers({"a": [], "b": [AddWorker("queue")]}, pressures, {"a": 1, "b": 1}, share, 10.0, in_use=2)
+    assert out == [("b", AddWorker("queue"))]
+
+
+def test_at_the_budget_a_model_that_needs_a_worker_borrows_one_idle_long_enough_above_its_models_minimum():
+    from tokenline.engine.autoscale import Share, share_workers
+
+    share = Share(budget=2, own={"a": 1, "b": 1}, lend_after_s=5.0)
+    flood = pressure([busy(1)], queued=8, age=5.0)
+    # a's worker idle 3 s: not yet lent.
+    out = share_workers({"a": [], "b": [AddWorker("queue")]}, {"a": pressure([idle(0, 7.0)]), "b": flood},
+                        {"a": 0, "b": 1}, share, 10.0, in_use=2)
+    assert out == []
+    # Idle 6 s: lent (removed from a, added to b).
+    out = share_workers({"a": [], "b": [AddWorker("queue")]}, {"a": pressure([idle(0, 4.0)]), "b": flood},
+                        {"a": 0, "b": 1}, share, 10.0, in_use=2)
+    assert [(m, type(d).__name__) for m, d in out] == [("a", "RemoveWorker"), ("b", "AddWorker")]
+    assert out[0][1].worker_id == 0 and "lent to b" in out[0][1].reason
+    # Never below the lender's minimum, and never from a model with a queue of its own.
+    assert share_workers({"a": [], "b": [AddWorker("queue")]}, {"a": pressure([idle(0, 4.0)]), "b": flood},
+                         {"a": 1, "b": 1}, share, 10.0, in_use=2) == []
+    assert share_workers({"a": [], "b": [AddWorker("queue")]}, {"a": pressure([idle(0, 4.0)], queued=1), "b": flood},
+                         {"a": 0, "b": 1}, share, 10.0, in_use=2) == []
+
+
+def test_a_model_below_its_own_count_takes_a_borrowed_worker_back_one_at_a_time():
+    from tokenline.engine.autoscale import GiveBack, Share, share_workers
+
+    share = Share(budget=2, own={"a": 1, "b": 1})
+    # b borrowed a's worker and runs on both; a's load came back: a has no worker, b has 2 (its own is 1).
+    pressures = {"a": pressure([], queued=2, age=1.0), "b": pressure([busy(1, 4), busy(2, 1)], queued=5)}
+    out = share_workers({"a": [AddWorker("no worker")], "b": [AddWorker("queue")]}, pressures, {"a": 0, "b": 1},
+                        share, 10.0, in_use=2)
+    # b's add waits (no room, it holds more than its own); a takes back b's least busy worker, which finishes its streams.
+    assert out == [("b", GiveBack(2, "given back to a (0 of its own 1 workers; no worker)"))]
+    # A model at or below its own count gives nothing back.
+    pressures = {"a": pressure([busy(0)], queued=2, age=3.0), "b": pressure([busy(1)], queued=5, age=3.0)}
+    assert share_workers({"a": [AddWorker("q")], "b": [AddWorker("q")]}, pressures, {"a": 1, "b": 1}, share, 10.0,
+                         in_use=2) == []
+
+
+def test_removals_free_room_for_another_models_addition_in_the_same_round():
+    from tokenline.engine.autoscale import Share, share_workers
+
+    share = Share(budget=2, own={"a": 1, "b": 1})
+    pressures = {"a": pressure([idle(0, 0.0)]), "b": pressure([busy(1)], queued=3, age=5.0)}
+    out = share_workers({"a": [RemoveWorker(0, "idle")], "b": [AddWorker("queue")]}, pressures, {"a": 0, "b": 1},
+                        share, 40.0, in_use=2)
+    assert out == [("a", RemoveWorker(0, "idle")), ("b", AddWorker("queue"))]

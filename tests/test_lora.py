@@ -28,15 +28,15 @@ pytestmark = pytest.mark.engine
 PROMPT = "The lighthouse keeper wrote in his log that the storm"
 
 
-def build_adapter(base: Path, folder: Path) -> None:
+def build_adapter(base: Path, folder: Path, *, seed: int = 0, rank: int = 8) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                             target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # peft starts B at zero (the adapter a no-op): random, so that it answers otherwise
         for name, p in peft.named_parameters():
             if "lora_B" in name:

@@ -169,3 +169,103 @@ def test_a_lora_flag_without_a_model_is_the_first_models():
     from tokenline.server.model_flags import lora_flags
 
     assert lora_flags(["t=/x", "b/u=/y"], ["a", "b"]) == {"a": (("t", "/x"),), "b": (("u", "/y"),)}
+
+
+def test_max_loras_without_a_model_is_every_models_and_a_model_s_own_overrides_it():
+    from tokenline.server.model_flags import max_loras_flags
+
+    assert max_loras_flags(None, ["a", "b"]) == {"a": 0, "b": 0}
+    assert max_loras_flags(["2"], ["a", "b"]) == {"a": 2, "b": 2}
+    assert max_loras_flags(["2", "b=0"], ["a", "b"]) == {"a": 2, "b": 0}
+    for bad, message in (("x", "give N"), ("-1", "give N"), ("c=1", "'c' is not a served model"), ("=1", "give N")):
+        with pytest.raises(ValueError, match=message):
+            max_loras_flags([bad], ["a", "b"])
+
+
+def test_lora_slots_are_counted_in_the_plan_before_the_kv_cache():
+    from tokenline.engine.lora import slot_bytes
+
+    smol = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 9,
+            "num_key_value_heads": 3}
+    # Per layer and rank: q/k/v (576 in, 960 out), o (576, 576), gate/up (576, 3072), down (1536, 576); float32.
+    assert slot_bytes(smol, 16) == 30 * 16 * (576 + 960 + 576 + 576 + 576 + 3072 + 1536 + 576) * 4
+    lora = 512 * MiB
+    plain = plan_workers(BOX, workers=2)
+    adapted = plan_workers(BOX, workers=2, extra_bytes=lora)
+    assert adapted.kv_cache_bytes < plain.kv_cache_bytes
+    two = plan_models(BOX, [ModelAsk("a", extra_bytes=lora), ModelAsk("b")])
+    assert two[0].kv_cache_bytes == two[1].kv_cache_bytes < plan_models(BOX, [ModelAsk("a"), ModelAsk("b")])[0].kv_cache_bytes
+
+
+def test_adapter_ids_are_never_reused_and_an_unloading_adapter_keeps_its_slot(tmp_path):
+    import pathlib
+
+    from tokenline.server.catalog import ModelCatalog, ServedModel
+
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+    catalog = ModelCatalog()
+    catalog.lora_capacity["chat"] = 2
+    catalog.add(ServedModel(name="chat", path=pathlib.Path("/m"), version="v1", max_context=64, vocab_size=10,
+                            tokenizer=None), current=True)
+    assert catalog["chat"].lora_on  # room for adapters: LoRA on before the first is loaded
+    catalog.add_adapter("chat", "a", catalog.next_lora_id("chat"), str(folder))
+    catalog.add_adapter("chat", "b", catalog.next_lora_id("chat"), str(folder))
+    assert catalog.remove_adapter("a")[:2] == ("chat", 1)
+    assert "a" not in catalog and catalog.adapters_of("chat") == ["b", "a"]  # "a" holds its slot while it drains
+    catalog.unloading.pop("a")
+    assert catalog.adapters_of("chat") == ["b"] and catalog.next_lora_id("chat") == 3
+
+
+def test_an_adapter_whose_weights_do_not_fit_the_model_is_refused_from_its_header(tmp_path):
+    import json
+    import struct
+
+    from tokenline.engine.lora import AdapterError, check_weights
+
+    def write(tensors: dict) -> None:
+        header = json.dumps({k: {"dtype": "F32", "shape": v, "data_offsets": [0, 0]} for k, v in tensors.items()})
+        (tmp_path / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+
+    write({"x.q_proj.lora_A.weight": [8, 64], "x.q_proj.lora_B.weight": [64, 8]})
+    check_weights(tmp_path, 8, 64)
+    with pytest.raises(AdapterError, match="rank 8, above the 4"):
+        check_weights(tmp_path, 4, 64)
+    with pytest.raises(AdapterError, match="hidden size"):
+        check_weights(tmp_path, 8, 576)
+    write({"x.q_proj.weight": [64, 64]})
+    with pytest.raises(AdapterError, match="no lora_A"):
+        check_weights(tmp_path, 8, 64)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\xff" * 12)
+    with pytest.raises(AdapterError, match="not a safetensors file"):
+        check_weights(tmp_path, 8, 64)
+
+
+def test_a_keys_file_gives_a_tenant_a_limit_per_model():
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from tokenline.server.auth import hash_key, load_tenants
+
+    with tempfile.TemporaryDirectory() as root:
+        path = Path(root) / "keys.json"
+        path.write_text(json.dumps({"tenants": {"app": {"keys": [hash_key("k")], "models": {"chat": {"max_concurrent": 4}}}}}))
+        quota = load_tenants(path)["app"].quota
+        assert quota.concurrent_on("chat") == 4 and quota.concurrent_on("draft") is None
+        for models, message in (({"chat": {"max_concurrent": "4"}}, "whole number"), ({"chat": 4}, "must be an object"),
+                                ({"chat": {"max_concurrent": 0}}, ">= 1"), ({"chat": {"weight": 2}}, "must be an object")):
+            path.write_text(json.dumps({"tenants": {"app": {"keys": [hash_key("k")], "models": models}}}))
+            with pytest.raises(ValueError, match=message):
+                load_tenants(path)
+
+
+def test_a_model_flag_may_label_its_version_and_a_folder_with_an_at_sign_is_not_split(tmp_path):
+    folder = tmp_path / "smol@2024"
+    folder.mkdir()
+    assert model_flags(["chat=/models/smol@v2", f"old={folder}", "tiny"], None, None) == [
+        ModelFlag("chat", "/models/smol", version="v2"), ModelFlag("old", str(folder)), ModelFlag(None, "tiny")]
+    with pytest.raises(ValueError, match="version label"):
+        model_flags(["chat=/models/smol@bad label"], None, None)

@@ -105,6 +105,7 @@ def test_a_taken_over_job_continues_on_the_version_of_its_tokens_or_fails_saying
     assert f"a@{versions['tiny']}" in started_a.error and "no longer serves" in started_a.error
     # "b" is still tiny: it continues there, after the stored tokens.
     assert (started_b.state, started_b.tokens_stored, started_b.attempts) == ("succeeded", TOKENS, 2), started_b
+    assert (started_a.model_version, started_b.model_version) == (versions["tiny"], versions["tiny"])  # GetJob says
     assert started_b.token_ids[:STORED] == stored[1][STARTED_B]
     assert judges["tiny"].violations(PROMPTS[STARTED_B], started_b.token_ids) == []
     # A row from before versions were kept continues on the current version, as the server that wrote it did.
