@@ -92,6 +92,20 @@ async def stream(address: str, model: str, max_tokens: int, cls: str = "interact
     return out
 
 
+def killer(server: ServerProcess, at: int = 8):
+    """A stream's on_token hook that SIGKILLs the server's workers once the client has seen `at` tokens."""
+    killed = False
+
+    async def kill_at(n: int) -> None:
+        nonlocal killed
+        if n >= at and not killed:
+            killed = True
+            for pid in worker_pids(server):
+                os.kill(pid, signal.SIGKILL)
+
+    return kill_at
+
+
 def follows(judge: Float32Judge, tokens: list[int]) -> bool:
     return not judge.violations(judge.encode(PROMPT), tokens)
 
@@ -124,17 +138,8 @@ def test_lora_and_base_requests_run_together_each_on_its_own_weights(server, jud
 
 def test_a_lora_request_continues_on_its_adapter_after_its_worker_is_sigkilled(server, judges):
     _, tuned = judges
-    killed = False
-
-    async def kill_at(n: int) -> None:
-        nonlocal killed
-        if n >= 8 and not killed:
-            killed = True
-            for pid in worker_pids(server):
-                os.kill(pid, signal.SIGKILL)
-
     # Long enough to be running still when the client has seen its 8th token, on a loaded machine.
-    out = asyncio.run(stream(server.address, "tuned", 400, on_token=kill_at))
+    out = asyncio.run(stream(server.address, "tuned", 400, on_token=killer(server)))
     assert out["timeline"].attempts == 2 and len(out["tokens"]) == 400
     assert follows(tuned, out["tokens"]), tuned.violations(tuned.encode(PROMPT), out["tokens"])
 

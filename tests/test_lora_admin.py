@@ -9,8 +9,6 @@ judged as in tests/test_lora.py: every token a float32 greedy choice of the weig
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -18,8 +16,7 @@ import pytest
 
 from tests.greedy import Float32Judge
 from tests.support import ServerProcess
-from tests.test_failures import worker_pids
-from tests.test_lora import PROMPT, build_adapter, follows, stream
+from tests.test_lora import PROMPT, base_name, build_adapter, follows, killer, stream
 from tokenline.client import Client
 from tokenline.client.errors import AlreadyExists, InvalidRequest, NotFound, Refused
 from tokenline.engine.models import resolve_model
@@ -60,14 +57,22 @@ def server(folders):
     s.stop()
 
 
-def base_name(server: ServerProcess) -> str:
-    with Client(server.address) as client:
-        return next(m.name for m in client.list_models() if not m.base_model)
-
-
 def models(server: ServerProcess) -> dict:
     with Client(server.address) as client:
         return {m.name: m for m in client.list_models()}
+
+
+def second_loaded(server: ServerProcess, folders: dict[str, Path]) -> None:
+    """"second" in the only slot, as the unload test leaves it (a file's tests may run on a fresh server: with
+    `make test`'s two processes another file's tests can come between, and the module's server is started again)."""
+    held = models(server)
+    if "second" in held:
+        return
+    with Client(server.address) as client:
+        if "first" in held:
+            done = client.unload_adapter("first", wait=True)
+            assert not done["draining"] and "first" not in models(server)
+        client.load_adapter(base_name(server), "second", str(folders["second"]))
 
 
 def judged(judges: dict[str, Float32Judge], out: dict, own: str) -> None:
@@ -140,7 +145,8 @@ def test_an_unloaded_adapter_finishes_its_streams_on_its_weights_then_frees_its_
     assert models(server)["second"].base_model == name and "first" not in models(server)
 
 
-def test_a_loaded_adapter_and_the_base_model_batched_each_answer_with_their_own_weights(server, judges):
+def test_a_loaded_adapter_and_the_base_model_batched_each_answer_with_their_own_weights(server, folders, judges):
+    second_loaded(server, folders)
     name = base_name(server)
 
     async def run() -> list[dict]:
@@ -160,20 +166,13 @@ def test_a_loaded_adapter_and_the_base_model_batched_each_answer_with_their_own_
     assert sum("model=second" in line for line in logged) >= 2 and sum(f"model={name}" in line for line in logged) >= 2
 
 
-def test_a_restarted_worker_serves_the_adapters_loaded_since_and_not_those_unloaded(server, judges):
+def test_a_restarted_worker_serves_the_adapters_loaded_since_and_not_those_unloaded(server, folders, judges):
+    second_loaded(server, folders)
     name = base_name(server)
-    killed = False
-
-    async def kill_at(n: int) -> None:
-        nonlocal killed
-        if n >= 8 and not killed:
-            killed = True
-            for pid in worker_pids(server):
-                os.kill(pid, signal.SIGKILL)
 
     async def run() -> tuple[dict, list[dict]]:
         # Long enough to be running still when the client has seen its 8th token, on a loaded machine.
-        crashed = await stream(server.address, "second", 400, on_token=kill_at)
+        crashed = await stream(server.address, "second", 400, on_token=killer(server))
         # The new worker started with the model's adapters as they are now: "second", not "first".
         after = await asyncio.gather(*(stream(server.address, m, 32) for m in (name, "second", name, "second")))
         return crashed, list(after)
