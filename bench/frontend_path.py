@@ -1,11 +1,14 @@
 """The frontend's own per-token path, in one process and without gRPC, for before/after comparisons of it.
 
-    python -m tokenline.bench.frontend_path [--streams 256] [--reports 200]
+    python -m tokenline.bench.frontend_path [--streams 256] [--reports 200] [--tokens 128]
 
 Step reports go through `Runtime._step_reported` (its scheduler replaced by one that hands back a
 one-token delivery per stream), the mailboxes, `Runtime.events` and `responses.chunk_pb`, with one
 reader task per stream taking its chunk before the next report. Prints CPU µs per token: a figure that
 a busy machine disturbs far less than a served run's (docs/performance.md, issue 38).
+
+Then a request's end in telemetry (`Telemetry.on_request_done`, metrics read by a Prometheus reader as
+`--metrics-port` serves them, no tracing) for requests of `--tokens` tokens, as CPU µs per token.
 """
 
 from __future__ import annotations
@@ -69,11 +72,38 @@ async def measure(streams: int, reports: int) -> tuple[float, int]:
     return (cpu * 1e6 / tokens if tokens else float("nan")), tokens
 
 
+def measure_request_end(tokens: int, requests: int = 500) -> float:
+    """CPU µs per token of telemetry's bill at the end of `requests` requests of `tokens` tokens each."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry
+
+    from tokenline.server.telemetry import Telemetry, TelemetryConfig
+
+    telemetry = Telemetry(TelemetryConfig(), metric_readers=[
+        PrometheusMetricReader(registry=CollectorRegistry(), scope_info_enabled=False)])
+    telemetry._log = lambda record: None  # the request log line is not what is measured  # type: ignore[method-assign]
+    states = []
+    for i in range(requests):
+        st = RequestState(RequestKey("bench", f"e{i}"), "m", TrafficClass.BULK, [1, 2, 3],
+                          Sampling(max_tokens=tokens), Timeline(received=0.0, validated=0.0), None)
+        st.timeline.enqueued = st.timeline.admitted = 0.0
+        for t in range(tokens):
+            st.timeline.on_tokens(0.1 + 0.004 * t + 0.0001 * (t % 7), 1)
+        st.token_ids.extend([7] * tokens)
+        st.timeline.finished = st.timeline.last_byte = 0.1 + 0.004 * tokens
+        states.append(st)
+    cpu0 = time.process_time()
+    for st in states:
+        telemetry.on_request_done(st, "finished")
+    return (time.process_time() - cpu0) * 1e6 / (requests * tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tokenline.bench.frontend_path", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--reports", type=int, default=200)
+    p.add_argument("--tokens", type=int, default=128, help="tokens of each request whose end telemetry records")
     args = p.parse_args(argv)
     try:
         import uvloop
@@ -82,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         run = asyncio.run
     us, tokens = run(measure(args.streams, args.reports))
     print(f"{us:.2f} µs of CPU per token ({tokens} tokens, {args.streams} streams, {args.reports} reports)")
+    print(f"{measure_request_end(args.tokens):.2f} µs of CPU per token at a request's end in telemetry "
+          f"({args.tokens}-token requests)")
     return 0
 
 

@@ -36,6 +36,7 @@ from opentelemetry.trace import Link, Status, StatusCode
 
 from tokenline.engine.scheduler.records import Abort, Retry, StepResult
 from tokenline.engine.types import StepReport, TrafficClass
+from tokenline.server.otel_bulk import record_many
 
 from tokenline.server.logs import logfmt, snake_case
 from tokenline.server.telemetry_config import FIRST_TOKEN_BUCKETS, GAP_BUCKETS, OTLP_ENDPOINT_ENV, SPLITS, TelemetryConfig
@@ -236,8 +237,7 @@ class Telemetry:
         for key, histogram in self._splits.items():
             if reached[key]:
                 histogram.record(splits[key] / 1000.0, labels)
-        for gap in tl.gaps:
-            self._gap.record(gap, labels)
+        record_many(self._gap, tl.gaps, labels)  # one sample per gap, added in bulk (otel_bulk.py)
         self._requests.add(1, {**labels, "tenant": self._tenant_label(state.tenant)})
         self._prompt_tokens.add(len(state.prompt_ids), {"model": state.served_as, "version": state.version, "class": cls})
         self._generated_tokens.add(len(state.token_ids), {"model": state.served_as, "version": state.version,
