@@ -114,35 +114,71 @@ class ServerProcess:
         return [int(p) for p in out.split()]
 
 
+# The prober HealthWatcher runs: a process of its own, as a load balancer's checks come from outside, so that
+# neither the test's own client (its event loop holding the GIL on a loaded machine) nor its gRPC stack can
+# starve or delay the checks. One line per check: "ok STATUS" or "error MESSAGE"; it stops when stdin closes.
+_PROBER = """
+import sys, threading, time, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+address, interval = sys.argv[1], float(sys.argv[2])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+while not stop.is_set():
+    try:
+        with grpc.insecure_channel(address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        print("ok", status, flush=True)
+    except Exception as err:
+        print("error", type(err).__name__, (str(err).splitlines() or [""])[0], flush=True)
+    stop.wait(interval)
+"""
+
+
 class HealthWatcher:
-    """Polls a server's health in the background while a block runs; `seen` keeps every answer.
+    """Polls a server's health from a prober process while a block runs; `seen` keeps every answer.
 
     A check that fails (no answer within its 5 s) is itself a finding: the health service must answer
-    while workers crash and restart. Leaving the block raises if any did, or if too few checks were
-    answered for "health never said X" to rest on anything."""
+    while workers crash and restart. The block starts once a first check is answered; leaving it raises
+    if any check failed, or if too few were answered for "health never said X" to rest on anything."""
 
     def __init__(self, server: ServerProcess, interval: float = 0.05, min_answers: int = 3):
         self.server, self.interval, self.min_answers = server, interval, min_answers
         self.seen: list[int] = []
         self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._first = threading.Event()
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.seen.append(self.server.health())
-            except Exception as err:  # noqa: BLE001 - recorded, and raised when the block ends
-                self.errors.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-            time.sleep(self.interval)
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            kind, _, rest = line.strip().partition(" ")
+            if kind == "ok":
+                self.seen.append(int(rest))
+            elif kind:
+                self.errors.append(rest)
+            self._first.set()
+        self._first.set()
 
     def __enter__(self) -> "HealthWatcher":
-        self._thread.start()
+        assert self.server.address is not None
+        self._proc = subprocess.Popen([sys.executable, "-c", _PROBER, self.server.address, str(self.interval)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._first.wait(60) or not (self.seen or self.errors):
+            self._proc.kill()
+            raise RuntimeError("the health prober never answered")
         return self
 
     def __exit__(self, kind, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        assert self._proc is not None and self._proc.stdin is not None and self._reader is not None
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._reader.join(5)
         if kind is None:
             assert not self.errors, f"health checks failed while watched: {self.errors[:3]}"
             assert len(self.seen) >= self.min_answers, f"only {len(self.seen)} health checks were answered"
