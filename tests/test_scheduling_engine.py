@@ -35,15 +35,32 @@ def held_slots_server():
 
 
 async def _flood_then_people(address: str) -> tuple[list, list]:
-    """32 bulk streams of 160 tokens; a second later, 5 interactive requests one after another."""
+    """32 bulk streams of 160 tokens; once the flood is running (its first token out), 5 interactive requests one
+    after another. The people take ~5 × 8 steps, the flood 4 waves of 160: it is still queued when the last leaves,
+    on a fast machine as on a slow one (a fixed second's wait plus 0.2 s pauses had outlasted it on a fast one)."""
     async with AsyncClient(address) as client:
-        bulk = [asyncio.create_task(_stream(client, f"bulk {i}", max_tokens=160, traffic_class="bulk")) for i in range(32)]
-        await asyncio.sleep(1.0)  # the flood is running and queued
+        running = asyncio.Event()
+
+        async def bulk_stream(i):
+            deltas = []
+            async for d in client.generate(f"bulk {i}", ignore_eos=True, max_tokens=160, traffic_class="bulk"):
+                deltas.append(d)
+                running.set()
+            return deltas
+
+        bulk = [asyncio.create_task(bulk_stream(i)) for i in range(32)]
+        await asyncio.wait_for(running.wait(), timeout=120)
         interactive = []
         for i in range(5):
             interactive.append(await _stream(client, f"person {i}", max_tokens=8))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.02)
         return await asyncio.gather(*bulk), interactive
+
+
+def _flood_outlasted_people(bulk, interactive) -> bool:
+    """The premise: when the last person had their answer, some bulk had not yet got its first token (was queued)."""
+    last_person = interactive[-1][-1].received_at
+    return any(next(d.received_at for d in deltas if d.token_ids) > last_person for deltas in bulk)
 
 
 async def _stream(client, prompt, **kw):
@@ -62,6 +79,7 @@ def test_interactive_gets_its_first_token_within_a_few_steps_during_a_bulk_flood
     # Interactive requests waited a few steps at most, while bulk queued behind the flood.
     assert max(inter_waits) < 5 * itl + 50, (inter_waits, itl)
     assert max(inter_waits) < max(bulk_waits) / 4
+    assert _flood_outlasted_people(bulk, interactive), "the flood had drained before the people came"
     # Taking slots from bulk is visible as preemptions on bulk timelines, and the time they
     # lost is accounted on its own: every split still adds up to the completion time.
     preempted = [d[-1].timeline for d in bulk if d[-1].timeline.preemptions]
@@ -84,6 +102,7 @@ def test_with_slots_held_for_interactive_a_stream_cuts_through_the_flood_and_no_
     itl = statistics.median(d[-1].timeline.itl_mean_ms for d in bulk)
     assert max(inter_waits) < 5 * itl + 50, (inter_waits, itl)
     assert max(inter_waits) < max(bulk_waits) / 4
+    assert _flood_outlasted_people(bulk, interactive), "the flood had drained before the people came"
     # Each took a held slot: no bulk run was preempted (and redone) for it.
     assert not any(d[-1].timeline.preemptions for d in bulk)
 
