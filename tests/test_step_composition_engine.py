@@ -37,6 +37,30 @@ async def _stream(client, prompt, **kw):
     return [d async for d in client.generate(prompt, ignore_eos=True, **kw)]
 
 
+async def _flood(client, max_tokens: int) -> list[asyncio.Task]:
+    """BULK bulk streams, returned once every one of them is decoding (has its first token): people who come then
+    come into the flood, however fast the machine is (a fixed wait had to guess how long the flood lasts)."""
+    decoding, started = asyncio.Event(), set()
+
+    async def one(i):
+        deltas = []
+        async for d in client.generate(f"bulk {i}", ignore_eos=True, max_tokens=max_tokens, traffic_class="bulk"):
+            deltas.append(d)
+            started.add(i)
+            if len(started) == BULK:
+                decoding.set()
+        return deltas
+
+    tasks = [asyncio.create_task(one(i)) for i in range(BULK)]
+    await asyncio.wait_for(decoding.wait(), timeout=120)
+    return tasks
+
+
+def _flood_outlasted(people, bulk) -> bool:
+    """The premise: every bulk stream was still decoding when the last person had their answer."""
+    return min(b[-1].received_at for b in bulk) > max(p[-1].received_at for p in people)
+
+
 def _mean_itl_ms(deltas) -> float:
     return deltas[-1].timeline.itl_mean_ms
 
@@ -47,9 +71,7 @@ def test_an_interactive_stream_keeps_its_pace_through_a_bulk_flood(composing_ser
     async def run():
         async with AsyncClient(server.address) as client:
             solo = [await _stream(client, f"alone {i}", max_tokens=48) for i in range(3)]
-            bulk = [asyncio.create_task(_stream(client, f"bulk {i}", max_tokens=600, traffic_class="bulk"))
-                    for i in range(BULK)]
-            await asyncio.sleep(1.5)  # the flood is decoding
+            bulk = await _flood(client, 600)
             during = [await _stream(client, f"person {i}", max_tokens=48) for i in range(3)]
             await asyncio.sleep(0.5)  # interactive has gone: bulk alone again
             return solo, during, await asyncio.gather(*bulk)
@@ -57,6 +79,7 @@ def test_an_interactive_stream_keeps_its_pace_through_a_bulk_flood(composing_ser
     solo, during, bulk = asyncio.run(run())
     assert all(sum(len(d.token_ids) for d in b) == 600 for b in bulk)  # bulk finished, every token once
     assert all(sum(len(d.token_ids) for d in s) == 48 for s in solo + during)
+    assert _flood_outlasted(during, bulk), "the flood had ended before the people were done"
 
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
     composed = [s for s in steps if s["interactive"] and s["paused"]]
@@ -95,15 +118,14 @@ def test_out_of_the_box_interactive_streams_run_under_a_step_plan(default_server
     async def run():
         async with AsyncClient(server.address) as client:
             await _stream(client, "warm up", max_tokens=16)
-            bulk = [asyncio.create_task(_stream(client, f"bulk {i}", max_tokens=400, traffic_class="bulk"))
-                    for i in range(BULK)]
-            await asyncio.sleep(1.0)
+            bulk = await _flood(client, 400)
             during = [await _stream(client, f"person {i}", max_tokens=32) for i in range(3)]
             return during, await asyncio.gather(*bulk)
 
     during, bulk = asyncio.run(run())
     assert all(sum(len(d.token_ids) for d in b) == 400 for b in bulk)
     assert all(sum(len(d.token_ids) for d in s) == 32 for s in during)
+    assert _flood_outlasted(during, bulk), "the flood had ended before the people were done"
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
     # Steps an interactive stream is in: the whole flood and it, or bulk paused for it (the step in which the
     # scheduler has admitted a stream that has not reached the worker yet is the flood's alone).
