@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tokenline.client import Client
-from tests.support import ServerProcess
+from tests.support import ServerProcess, wait_until
 
 READ_TIMEOUT_S = 2.0
 IDLE = 2000
@@ -135,7 +135,10 @@ def test_a_full_queue_is_429_with_retry_after_and_a_passed_deadline_is_504(full_
     url = full_server.web_url + "/v1/chat/completions"
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         running = [pool.submit(httpx.post, url, json=body, timeout=60) for _ in range(2)]
-        time.sleep(0.5)  # both admitted or queued: the slot and the queue are taken
+        # Both in, one running and one queued: the slot and the queue are taken (asked, not guessed from a wait).
+        with Client(full_server.address) as client:
+            assert wait_until(lambda: (lambda m: m.running + m.queued_interactive + m.queued_bulk == 2)(
+                client.list_models(timeout=10)[0]), timeout=60)
         refused = httpx.post(url, json=body, timeout=60)
         assert refused.status_code == 429, refused.text
         assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["type"] == "rate_limit_error"
