@@ -74,7 +74,8 @@ def run_serve(args: argparse.Namespace) -> int:
             given = ", ".join(a for a, _, _ in loras[name]) or "none yet"
             plan_text += (f"; {name}: LoRA {slots} adapter{'s' if slots != 1 else ''} at once, rank ≤ {rank}, "
                           f"{_size(lora_bytes[name])} each worker (adapters: {given})")
-    print(f"tokenline: {plan_text}, {dtype} ({why}), {how}; {targets_text(sched.interactive)}", flush=True)
+    print(f"tokenline: {plan_text}, {dtype} ({why}), {how}; {targets_text(sched.interactive)}"
+          f"{'; late interactive requests refused' if sched.late_interactive == 'refuse' else ''}", flush=True)
     if worker.compile and not _compiled_before():
         print("tokenline: compiling the model for this machine: a minute or two this once, later starts reuse it "
               "(--compile off starts in seconds)", flush=True)

@@ -212,7 +212,7 @@ class Runtime:
             raise Quarantined(f"this request (same model, prompt and sampling) crashed workers repeatedly and is refused for another {until - now:.0f} s")
         state.timeline.enqueued = now
         actions = self.scheduler.submit(state.entry)
-        if actions and isinstance(actions[0], Refuse):  # the scheduler checks duplicates, queues, deadlines
+        if actions and isinstance(actions[0], Refuse) and actions[0].key == state.key:  # duplicates, queues, deadlines
             raise _refusal_error(actions[0], state)
         self.requests[state.key] = state
         self._handle(actions)
@@ -325,6 +325,10 @@ class Runtime:
                 if a.worker_id is not None:
                     self._send(a.worker_id, wire.Abort((a.run_key,)))
                 self._finish(a.key, FinishReason.DEADLINE, DeadlineUnmeetable("the request's deadline passed before it finished"))
+            elif isinstance(a, Refuse):  # a queued request refused later (late interactive, when refused)
+                st = self.requests.get(a.key)
+                if st is not None:
+                    self._finish(a.key, None, _refusal_error(a, st))
             elif isinstance(a, Abort):
                 self._send(a.worker_id, wire.Abort((a.run_key,)))
                 st = self.requests.get(a.key)
@@ -421,7 +425,7 @@ def _run_hooks(hooks: list[Callable], *args: object) -> None:
 
 def _refusal_error(a: Refuse, state: RequestState) -> ServingError:
     """The scheduler's refusal as the caller's error; `reason` keeps the scheduler's word, for metrics."""
-    if a.reason in (Refusal.QUEUE_FULL, Refusal.TENANT_LIMIT):
+    if a.reason in (Refusal.QUEUE_FULL, Refusal.TENANT_LIMIT, Refusal.NO_ROOM_IN_TIME):
         err: ServingError = Overloaded(a.message, retry_after_s=a.retry_after_s)
     elif a.reason == Refusal.DEADLINE:
         err = DeadlineUnmeetable(a.message)

@@ -239,6 +239,9 @@ class Telemetry:
                 histogram.record(splits[key] / 1000.0, labels)
         record_many(self._gap, tl.gaps, labels)  # one sample per gap, added in bulk (otel_bulk.py)
         self._requests.add(1, {**labels, "tenant": self._tenant_label(state.tenant)})
+        reason = getattr(state.error, "reason", None)  # refused after it was queued (late interactive, when refused)
+        if reason:
+            self._refusals.add(1, {"model": state.served_as, "class": cls, "reason": reason})
         self._prompt_tokens.add(len(state.prompt_ids), {"model": state.served_as, "version": state.version, "class": cls})
         self._generated_tokens.add(len(state.token_ids), {"model": state.served_as, "version": state.version,
                                                            "class": cls})

@@ -101,3 +101,49 @@ def test_the_single_step_an_itl_target_multiplies_is_the_fast_end_of_the_noise()
     assert pace.single() <= 0.0575 * 1.01
     _single_steps(pace, [0.0700] * 1000, now)  # it slowed for good
     assert pace.single() >= 0.0700 * 0.99
+
+
+def _refusing_flood(long_prompts: int = 0) -> Simulation:
+    """The flood above with late requests refused; the last `long_prompts` of each wave of 64 bring 2,048 prompt
+    tokens."""
+    interactive = ClassConfig(itl_target_steps=3.0, ttft_target_first_tokens=3.0)
+    specs = [(worker_spec(i, max_seqs=48, continuous=True, prefill_token_budget=2048), linear_cost(*COST))
+             for i in range(2)]
+    sim = Simulation(SchedulerConfig(interactive=interactive, bulk_floor=0.0, late_interactive="refuse"), specs)
+    reqs = [SimRequest(f"warm-{i}", 0.0, prompt_tokens=256, max_tokens=16) for i in range(4)]
+    long = [i % 64 >= 64 - long_prompts for i in range(192)]
+    reqs += [SimRequest(f"{'long' if long[i] else 'chat'}-{i}", 10.0 + (i // 64) * 20.0,
+                        prompt_tokens=2048 if long[i] else 256, max_tokens=128) for i in range(192)]
+    sim.run(reqs)
+    return sim
+
+
+def test_with_late_requests_refused_a_flood_gets_its_first_tokens_in_time_or_a_refusal_within_the_target(runs):
+    """`--late-interactive refuse`: a request no worker can give its first token within the TTFT target, even were
+    it admitted now (the prompts each worker still owes counted), is refused then, with a retry hint; the admitted
+    ones keep both targets. Admitted anyway (the default), the same flood's first tokens came up to 163 s late."""
+    sim = _refusing_flood()
+    chats = _chats(sim)
+    m = sim.scheduler.models["sim"]
+    w = sim.scheduler.workers[0]
+    ttft_target = sim.scheduler.planner.ttft_target(w, m)
+    itl_target = 3.0 * w.pace.single()
+    served = [o for o in chats if o.status == "finished"]
+    refused = [o for o in chats if o.status == "refused"]
+    assert len(served) + len(refused) == len(chats) and served and refused
+    assert all(o.first_token - o.arrival <= ttft_target for o in served)
+    assert all((o.completed - o.first_token) / (o.tokens - 1) <= itl_target for o in served)
+    assert all(o.completed - o.arrival <= ttft_target and "TTFT target" in o.message for o in refused)
+    assert sim.scheduler.counters.late_refusals == len(refused)
+    on, _ = runs  # admitted anyway: every chat served, its first token far past the target
+    assert all(o.status == "finished" for o in _chats(on))
+    assert max(o.first_token - o.arrival for o in _chats(on)) > 10 * ttft_target
+
+
+def test_a_prompt_too_long_to_meet_the_ttft_target_even_alone_is_served_not_refused():
+    """No wait of its own made it late: 2,048 prompt tokens need 10.3 s alone, past the target (a multiple of the
+    typical prompt's first token, ~4.5 s here); the chats beside them are still refused when late."""
+    sim = _refusing_flood(long_prompts=1)
+    long = [o for o in sim.outcomes.values() if o.key.startswith("long")]
+    assert len(long) == 3 and all(o.status == "finished" for o in long)
+    assert any(o.status == "refused" for o in _chats(sim))

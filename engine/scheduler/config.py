@@ -172,6 +172,14 @@ class SchedulerConfig:
     # The least TTFT target a multiple of the idle first token (ClassConfig.ttft_target_first_tokens) gives:
     # tighter buys a caller nothing the frontend's own hops would not eat, and costs bulk its prompt chunks.
     ttft_target_floor_s: float = 0.5
+    # An interactive request that has waited for room under the ITL target as long as its TTFT target allows:
+    # "admit" lets it in anyway (the running streams' steps slow down, its first token is on time); "refuse" answers
+    # it RESOURCE_EXHAUSTED with a retry hint instead, within its TTFT target, so that the caller can go elsewhere
+    # and the running streams keep their pace. Only a request with nothing delivered yet, and not one of n samples.
+    late_interactive: str = flag("admit", "--late-interactive", "an interactive request the ITL target has had no "
+                                 "room for by the last moment its TTFT target allows: admit it anyway (the running "
+                                 "streams slow down) or refuse it then with a retry hint (they keep their pace)",
+                                 choices=("admit", "refuse"))
     # Let at least this many bulk sequences decode in every step, so that bulk never starves
     # while interactive streams run.
     min_bulk_decode: int = 1
@@ -194,6 +202,8 @@ class SchedulerConfig:
             raise ValueError(f"ttft_set_point must be in (0, 1], got {self.ttft_set_point}")
         if self.min_itl_target_steps < 1:
             raise ValueError(f"min_itl_target_steps must be >= 1 (a step cannot be shorter than a single sequence's), got {self.min_itl_target_steps}")
+        if self.late_interactive not in ("admit", "refuse"):
+            raise ValueError(f"late_interactive must be 'admit' or 'refuse', got {self.late_interactive!r}")
         if self.min_bulk_decode < 0:
             raise ValueError(f"min_bulk_decode must be >= 0, got {self.min_bulk_decode}")
         if self.isolate_after_crashes < 1:

@@ -32,7 +32,7 @@ from tokenline.engine.scheduler.planner import StepPlanner
 from tokenline.engine.scheduler.preemption import Preemption
 from tokenline.engine.scheduler.queues import ClassQueue
 from tokenline.engine.scheduler.records import (Abort, Action, Admission, Admit, Counters, Delivery, Entry, Expire,
-                                                SetPlan, StepResult)
+                                                Refusal, Refuse, SetPlan, StepResult)
 from tokenline.engine.scheduler.rules import DispatchRules
 from tokenline.engine.scheduler.state import ModelState, Round, WorkerView
 from tokenline.engine.scheduler.status import FINAL, Status, transition
@@ -232,6 +232,11 @@ class Scheduler:
                 t = self.rules.fires_at(name, model, cls)
                 if t is not None and t > decided:
                     times.append(t)
+            head = model.queues[TrafficClass.INTERACTIVE].peek()
+            if head is not None and self.rules.late_refused(head):  # its refusal must not wait for a step
+                hopeless_at = self._hopeless_at(head, model, self.clock())
+                if decided < hopeless_at < math.inf:
+                    times.append(hopeless_at)
         return min(times, default=None)
 
     # ------------------------------------------------------------- dispatching
@@ -289,7 +294,11 @@ class Scheduler:
             candidates = [wid for wid in r.workers if (fires[wid] or r.budgets[wid].rides_with_sibling(e)) and r.open[wid]
                           and self.rules.can_take(e, self.workers[wid], r.budgets[wid], model, r.admitted[wid], now)]
             if not candidates:
-                return moved  # the head fits nowhere now: it keeps its place
+                refusal = self._refused_late(e, model, now)
+                if refusal is None:
+                    return moved  # the head fits nowhere now: it keeps its place
+                actions.append(refusal)
+                continue
             # A worker running a crash's survivors may crash again: new work goes to a clean one if it can; a
             # call's sample to where its first sample went, if that worker is a candidate (placement.py), which it is
             # while it has a slot: a sample rides with its sibling past the dispatch rule and step room (budget.py).
@@ -306,6 +315,53 @@ class Scheduler:
             r.open[wid] = not self.crashes.isolated(e)
             moved = True
         return moved
+
+    def _refused_late(self, e: Entry, model: ModelState, now: float) -> Refuse | None:
+        """With late interactive requests refused (config.late_interactive; rules.late_refused says which): `e`,
+        which no worker takes now, is refused once no worker could give it its first token within its TTFT target
+        even were it admitted now (admission.first_token_at, with the prompts each worker still owes): answered
+        within its target with a retry hint, rather than served late. The hint: when the first interactive stream
+        running is due to end."""
+        if not self.rules.late_refused(e) or now < self._hopeless_at(e, model, now):
+            return None
+        self._dequeue(e)
+        transition(e, Status.REFUSED)
+        self._forget(e)
+        self.counters.late_refusals += 1
+        return Refuse(e.key, Refusal.NO_ROOM_IN_TIME, "no worker has room for this interactive request in time for "
+                      "its first token within the TTFT target; retry shortly, or on another instance",
+                      self._in_time_again(e, model, now))
+
+    def _in_time_again(self, e: Entry, model: ModelState, now: float) -> float:
+        """The retry hint of a late refusal: the soonest a worker could serve the same request in time, were it sent
+        again then and nothing else came: once the prompts it owes are computed (its first token, forecast now, no
+        later than the new request's target) and, were its ITL target what had no room, its first interactive
+        stream has ended."""
+        best = math.inf
+        for wid in model.workers:
+            w = self.workers[wid]
+            deadline = self.planner.first_token_deadline(e, w, model)
+            if deadline is None:
+                continue
+            prompts_done = self.admission.first_token_at(e, w, now)[0] - (deadline - e.arrival) - now
+            room = 0.0
+            if not self.planner.keeps_itl_target(e, w, model, now, late=False):
+                ends = [x.est_finish - now for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]
+                room = min(ends, default=0.0)
+            best = min(best, max(prompts_done, room))
+        return min(max(best, 0.05), 60.0) if best < math.inf else self.admission.retry_after(model, e.cost, now)
+
+    def _hopeless_at(self, e: Entry, model: ModelState, now: float) -> float:
+        """From when no worker could give `e` its first token in time, were it admitted then (inf: some worker
+        always could, or it has no deadline). A forecast that moves with the clock: its lateness now, added."""
+        at = -math.inf
+        for wid in model.workers:
+            w = self.workers[wid]
+            deadline = self.planner.first_token_deadline(e, w, model)
+            if deadline is None:
+                return math.inf
+            at = max(at, now + deadline - self.admission.first_token_at(e, w, now)[0])
+        return at if model.workers else math.inf
 
     def _compose(self, model: ModelState) -> list[Action]:
         """Each worker's step plan for what now runs on it (engine/scheduler/planner.py); sent only when its

@@ -111,6 +111,18 @@ class StepPlanner:
         own = a + b * batch + c * (e.prompt_tokens + e.generated)
         return now >= e.arrival + self.config.ttft_set_point * target - own
 
+    def first_token_deadline(self, e: Entry, w: WorkerView, model: ModelState) -> float | None:
+        """The latest first token on `w` that keeps interactive `e` within its TTFT target (at the guard's set
+        point), for refusing late requests (config.late_interactive). None: no TTFT target, or a prompt that alone,
+        on an idle worker, needs longer (no wait of its own made it late; it is served as it can be)."""
+        target = self.ttft_target(w, model)
+        if e.cls != TrafficClass.INTERACTIVE or target is None:
+            return None
+        a, b, c = w.pace.line(1)
+        if a + b + c * (e.prompt_tokens + e.generated) > self.config.ttft_set_point * target:
+            return None
+        return e.arrival + self.config.ttft_set_point * target
+
     def bulk_goal_per_worker(self, model: ModelState) -> float | None:
         """Each worker's part of bulk's throughput goal: the model's goal shared evenly by its workers."""
         goal = self.config.bulk.throughput_goal_tok_s
@@ -127,7 +139,8 @@ class StepPlanner:
             target = tightest if target is None else min(target, tightest)
         return target
 
-    def keeps_itl_target(self, e: Entry, w: WorkerView, model: ModelState, now: float | None = None) -> bool:
+    def keeps_itl_target(self, e: Entry, w: WorkerView, model: ModelState, now: float | None = None, *,
+                         late: bool | None = None) -> bool:
         """Can the worker's steps still be composed within the ITL target with `e` decoding too, and
         still leave bulk its throughput goal?
 
@@ -136,7 +149,8 @@ class StepPlanner:
         stream on the worker would miss it; and each one more leaves less of a step for bulk. Beyond
         that, a newcomer waits in the queue for one to end (its TTFT pays, not the running streams'
         ITL, nor bulk's goal); the first is always let in, and one that has waited as long as its TTFT target
-        allows (`admits_late`, given `now`)."""
+        allows (`admits_late`, given `now`), unless late requests are refused (config.late_interactive; `late`
+        overrides it: True asks whether it would go in late)."""
         interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]  # this round's admissions too
         if not interactive:
             return True
@@ -150,4 +164,6 @@ class StepPlanner:
         goal = self.bulk_goal_per_worker(model)
         keeps = (a + b * (streams + min(self.config.min_bulk_decode, bulk)) <= planned
                  and (goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal))
-        return keeps or (now is not None and self.admits_late(e, w, model, now))
+        if late is None:
+            late = self.config.late_interactive == "admit"
+        return keeps or (late and now is not None and self.admits_late(e, w, model, now))

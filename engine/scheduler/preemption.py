@@ -53,7 +53,8 @@ class Preemption:
             return []
         for wid in model.workers:
             w = self.workers[wid]
-            if not w.spec.continuous or not self.planner.keeps_itl_target(head, w, model, now):
+            if not w.spec.continuous or not self.planner.keeps_itl_target(head, w, model, now) \
+                    or (self.rules.late_refused(head) and not self.rules.in_time(head, w, model, now)):
                 continue  # preempting bulk would not let it in
             floor = math.floor(w.spec.engine_seqs * self.config.bulk_floor)
             bulk = sorted((e for e in w.running.values() if e.cls == TrafficClass.BULK), key=lambda e: e.arrival)

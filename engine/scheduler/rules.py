@@ -94,16 +94,31 @@ class DispatchRules:
         bulk_running = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK)
         return max(floor - bulk_running, 0)
 
+    def late_refused(self, e: Entry) -> bool:
+        """Is `e` refused rather than served late (config.late_interactive)? Only on its first attempt with nothing
+        delivered: not a stream under way (never cut), not one a worker's crash sent back (accepted, it is owed an
+        answer), not one of n samples (their call stands or falls together)."""
+        return (self.config.late_interactive == "refuse" and e.cls == TrafficClass.INTERACTIVE and not e.generated
+                and e.attempt == 1 and e.group is None)
+
+    def in_time(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> bool:
+        """Would `e`, admitted to `w` now, get its first token by its deadline (planner.first_token_deadline)?"""
+        deadline = self.planner.first_token_deadline(e, w, model)
+        return deadline is None or self.admission.first_token_at(e, w, now)[0] <= deadline
+
     def can_take(self, e: Entry, w: WorkerView, budget: StepBudget, model: ModelState, admitted: list[Admission],
-                 now: float) -> bool:
-        """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?"""
+                 now: float, *, late: bool | None = None) -> bool:
+        """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?
+        `late`: as planner.keeps_itl_target's (True: would it, were a late interactive request let in)."""
         if isolated(e, self.config) and (w.running or admitted):
             return False  # a suspect waits for an idle worker (crashes.py)
         # Interactive leaves bulk its floor; bulk leaves interactive its held slots.
         reserve = self.bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else w.held_for_interactive()
         if budget.slots - 1 < reserve or not budget.fits(e):
             return False
-        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model, now):
+        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model, now, late=late):
             return False
+        if self.late_refused(e) and not self.in_time(e, w, model, now):
+            return False  # its first token would come past its TTFT target: refused instead (Scheduler._refused_late)
         # One more sequence must not slow running requests past their deadlines.
         return self.admission.keeps_deadlines(w, len(w.running) + 1, now, e.prompt_tokens + e.generated)
