@@ -302,6 +302,13 @@ class JobRunner:
             await self._write(job, checkpoint, running, state)
             await self._release(job)
             return
+        if isinstance(error, Overloaded) and not running.revoked and len(state.token_ids) <= len(stored):
+            # Refused after it was queued (a late interactive request, when those are refused): nothing ran, so
+            # like a refusal at submit it goes back to the queue, never failed.
+            wait = defer_s(job.refusals, error.retry_after_s)
+            log.info("job %s: refused before it started (%s); back to the queue for %.2f s", job.job_id, error.message, wait)
+            await self._release(job, wait)
+            return
         if running.revoked:
             outcome, reason, message = "cancelled", FinishReason.CANCELLED, REVOKED
         elif isinstance(error, ServingError):

@@ -54,6 +54,29 @@ def test_a_job_refused_by_its_tenants_quota_waits_and_then_runs_once(tmp_path):
         server.stop()
 
 
+def test_an_interactive_job_refused_as_late_waits_and_then_runs_once(tmp_path):
+    """`--late-interactive refuse`: an ITL target of one single step leaves no room beside a running stream, so an
+    interactive job queued behind it is refused once its TTFT target is out of reach. Like a refusal at submission,
+    that is a wait, never a failed attempt: it runs once the stream has gone."""
+    server = ServerProcess("--engine", "sim", "--model", "tiny", "--sim-step-ms", "20", "--job-store",
+                           str(tmp_path / "jobs.sqlite3"), "--idempotency-db", "off", "--late-interactive", "refuse",
+                           "--interactive-itl-target-steps", "1", "--interactive-ttft-target-ms", "300").start()
+    try:
+        with Client(server.address) as client:
+            stream = client.generate("takes the only room", max_tokens=1500, ignore_eos=True)
+            next(iter(stream))
+            job = client.submit_job("waits its turn", max_tokens=16, ignore_eos=True, traffic_class="interactive")
+            assert wait_until(lambda: f"job {job.job_id}: refused before it started" in server.output(), timeout=60)
+            assert client.get_job(job.job_id).state == "queued"
+            stream.cancel()
+            chunks = watch_to_end(client, job.job_id)
+            done = client.get_job(job.job_id)
+        assert sum(len(c.token_ids) for c in chunks) == 16 and done.state == "succeeded"
+        assert done.attempts == 1  # the refusals were not attempts
+    finally:
+        server.stop()
+
+
 def test_one_tenants_backlog_does_not_queue_another_tenants_job(tmp_path):
     path = keys(tmp_path / "keys.json")
     server = ServerProcess("--engine", "sim", "--model", "tiny", "--sim-step-ms", "5", "--api-keys", str(path),
