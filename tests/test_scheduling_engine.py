@@ -5,9 +5,10 @@ import statistics
 
 import pytest
 
-from tokenline.client import AsyncClient
+from tokenline.client import AsyncClient, Client
 from tokenline.client.errors import Overloaded
 from tests.support import ServerProcess
+from tests.test_telemetry import METRICS_URL, Scrape
 
 pytestmark = pytest.mark.engine
 
@@ -126,3 +127,45 @@ def test_beyond_the_queue_limit_refusals_come_back_at_once_with_a_retry_hint(sma
     # Everything accepted completes in full.
     assert all(sum(len(d.token_ids) for d in a) == 64 for a in accepted)
     assert len(accepted) >= 8 + 48 - 8  # at least the queue and the slots' worth
+
+
+def test_with_late_requests_refused_a_burst_gets_first_tokens_or_a_refusal_with_a_retry_hint():
+    """`--late-interactive refuse` on the real engine: a burst of long prompts that no worker can start within a
+    150 ms TTFT target. Those it can are served whole; the rest are answered RESOURCE_EXHAUSTED with a retry hint
+    (not served late); retried once the burst has passed, a refused one is served."""
+    server = ServerProcess("--model", "tiny", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
+                           "--late-interactive", "refuse", "--interactive-ttft-target-ms", "150", "--metrics-port", "0").start()
+    prompts = [[(7 * i + 13 * j) % 500 + 3 for j in range(900)] for i in range(40)]
+    try:
+        assert "late interactive requests refused" in server.output()
+
+        async def burst():
+            async with AsyncClient(server.address) as client:
+                for p in prompts[:3]:  # the worker learns what a prompt token costs
+                    await _stream(client, None, token_ids=p[::-1], max_tokens=4)
+
+                async def one(p):
+                    try:
+                        return await _stream(client, None, token_ids=p, max_tokens=16, timeout=120)  # never left queued
+                    except Overloaded as err:
+                        return err
+                return await asyncio.gather(*(one(p) for p in prompts))
+
+        results = asyncio.run(burst())
+        refused = [(p, r) for p, r in zip(prompts, results) if isinstance(r, Overloaded)]
+        served = [r for r in results if not isinstance(r, Overloaded)]
+        assert served and refused, (len(served), len(refused))
+        print(f"\nlate requests refused: {len(served)} of {len(prompts)} served, {len(refused)} refused, hints "
+              f"{min(e.retry_after_s for _, e in refused):.2f}-{max(e.retry_after_s for _, e in refused):.2f} s")
+        for deltas in served:
+            assert [d.index for d in deltas if d.token_ids] == sorted(d.index for d in deltas if d.token_ids)
+            assert sum(len(d.token_ids) for d in deltas) == 16
+        for _, err in refused:
+            assert err.retry_after_s and err.retry_after_s > 0 and "TTFT target" in err.details, err
+        metrics = Scrape(METRICS_URL.search(server.output()).group(1))
+        assert metrics.value("tokenline_refusals_total", reason="no_room_in_time") == len(refused)
+        with Client(server.address) as client:
+            again = client.complete(token_ids=refused[0][0], max_tokens=16, ignore_eos=True)
+        assert len(again.token_ids) == 16
+    finally:
+        server.stop()
