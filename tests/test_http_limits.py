@@ -147,6 +147,29 @@ def test_a_full_queue_is_429_with_retry_after_and_a_passed_deadline_is_504(full_
     assert late.status_code == 504 and "deadline" in late.json()["error"]["message"], late.text
 
 
+def test_a_late_interactive_request_refused_is_429_with_retry_after_streamed_or_not():
+    """`--late-interactive refuse`, an ITL target of one single step: beside a running stream there is no room, so a
+    chat is refused once its 300 ms TTFT target is out of reach, before any byte of a response (even a stream)."""
+    s = ServerProcess("--engine", "sim", "--model", "tiny", "--sim-step-ms", "20", "--late-interactive", "refuse",
+                      "--interactive-itl-target-steps", "1", "--interactive-ttft-target-ms", "300", "--web-port", "0").start()
+    try:
+        with Client(s.address) as client:
+            holder = client.generate("holds the room", max_tokens=1500, ignore_eos=True)
+            for n, _ in enumerate(holder):  # the worker has measured its single step
+                if n == 30:
+                    break
+            body = {"model": "tiny-llama", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+            plain = httpx.post(s.web_url + "/v1/chat/completions", json=body, timeout=30)
+            with httpx.stream("POST", s.web_url + "/v1/chat/completions", json=body | {"stream": True}, timeout=30) as r:
+                streamed = (r.status_code, r.headers.get("retry-after"), r.read())
+            holder.cancel()
+        assert plain.status_code == 429 and plain.json()["error"]["type"] == "rate_limit_error", plain.text
+        assert "TTFT target" in plain.json()["error"]["message"] and int(plain.headers["retry-after"]) >= 1
+        assert streamed[0] == 429 and int(streamed[1]) >= 1 and b"TTFT target" in streamed[2], streamed
+    finally:
+        s.stop()
+
+
 # ------------------------------------------------------------------ who may call
 
 def _grpc_web(url: str, method: str, body: bytes, **headers) -> httpx.Response:
