@@ -87,15 +87,34 @@ def test_real_vllm_workers_a_step_of_load_adds_one_that_serves_and_it_goes_after
                            "--autoscale-queue-age-s", "0.5", "--autoscale-cooldown-s", "3", "--autoscale-settle-s", "1",
                            "--step-log", str(steps), "--log-level", "INFO").start()
     try:
-        async def long_burst():  # long enough that a worker loading vLLM (tens of seconds here) still finds a queue
+        def added_worker_served() -> bool:
+            added = [line for line in decisions(server) if "adding worker" in line]
+            if not added:
+                return False
+            wid = int(re.search(r"adding worker (\d+)", added[0]).group(1))
+            return steps.exists() and any(s["worker"] == wid and s["batch"] > 0
+                                          for s in map(json.loads, steps.read_text().splitlines()))
+
+        async def load_until_the_added_worker_serves():
+            # A closed loop of 16 streams on 4 slots, a queue that ages, until the added worker has taken work: its
+            # vLLM load takes tens of seconds here, more on a loaded machine (a fixed burst had ended before it).
             async with AsyncClient(server.address) as client:
                 async def one(i: int):
-                    return [d async for d in client.generate(token_ids=[3 + i, 5, 7], max_tokens=500,
+                    return [d async for d in client.generate(token_ids=[3 + i % 400, 5, 7], max_tokens=500,
                                                              ignore_eos=True, traffic_class="bulk")]
 
-                return await asyncio.gather(*(one(i) for i in range(48)))
+                pending, done, i = set(), [], 0
+                for _ in range(240):  # at most ~4 minutes
+                    while len(pending) < 16:
+                        pending.add(asyncio.create_task(one(i)))
+                        i += 1
+                    finished, pending = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    done += [t.result() for t in finished]
+                    if added_worker_served():
+                        break
+                return done + list(await asyncio.gather(*pending))
 
-        results = asyncio.run(long_burst())
+        results = asyncio.run(load_until_the_added_worker_serves())
         for deltas in results:
             position = 0
             for d in deltas:
@@ -106,8 +125,7 @@ def test_real_vllm_workers_a_step_of_load_adds_one_that_serves_and_it_goes_after
         assert added, server.output()[-3000:]
         new_worker = int(re.search(r"adding worker (\d+)", added[0]).group(1))
         assert re.search(rf"worker {new_worker} ready: model tiny-llama, pid \d+", server.output())
-        log = [json.loads(line) for line in steps.read_text().splitlines()]
-        assert any(s["worker"] == new_worker and s["batch"] > 0 for s in log), "the added worker took no work"
+        assert added_worker_served(), "the added worker took no work"
         assert wait_until(lambda: any("removing worker" in line for line in decisions(server)), timeout=90)
         assert metric_values(scrape(metrics_port), "tokenline_workers_wanted") == [1.0]
     finally:
