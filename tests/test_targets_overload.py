@@ -147,3 +147,32 @@ def test_a_prompt_too_long_to_meet_the_ttft_target_even_alone_is_served_not_refu
     long = [o for o in sim.outcomes.values() if o.key.startswith("long")]
     assert len(long) == 3 and all(o.status == "finished" for o in long)
     assert any(o.status == "refused" for o in _chats(sim))
+
+
+def test_a_request_a_crash_sent_back_is_served_however_late_while_a_new_one_that_late_is_refused():
+    """Refusing late requests is for new ones: one that a worker's crash sent back was accepted, and is owed its
+    answer (the pure scheduler, virtual time; one slot, a 200 ms TTFT target)."""
+    from tokenline.engine.scheduler.core import Scheduler
+    from tokenline.engine.scheduler.records import Admit, Entry, Refuse
+    from tokenline.engine.simulation import worker_spec
+    from tokenline.engine.types import TrafficClass
+
+    clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
+    config = SchedulerConfig(interactive=ClassConfig(ttft_target_s=0.2), bulk_floor=0.0, late_interactive="refuse")
+    s = Scheduler(config, clock)
+
+    def entry(key):
+        return Entry(key=key, model="sim", tenant="t", cls=TrafficClass.INTERACTIVE, prompt_tokens=8, max_tokens=64,
+                     arrival=clock.now)
+
+    def admitted(actions):
+        return [a.key for d in actions if isinstance(d, Admit) for a in d.admissions]
+
+    s.add_worker(worker_spec(0, max_seqs=1, continuous=True, model="sim"))
+    assert admitted(s.submit(entry("first"))) == ["first"]
+    assert s.submit(entry("new")) == []  # no slot: it waits
+    clock.now = 1.0  # past its target: refused, with a hint
+    assert [(a.key, a.retry_after_s > 0) for a in s.on_timer() if isinstance(a, Refuse)] == [("new", True)]
+    s.worker_lost(0)  # "first" goes back, as late as "new" was
+    clock.now = 2.0
+    assert admitted(s.add_worker(worker_spec(1, max_seqs=1, continuous=True, model="sim"))) == ["first"]

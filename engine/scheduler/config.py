@@ -172,13 +172,14 @@ class SchedulerConfig:
     # The least TTFT target a multiple of the idle first token (ClassConfig.ttft_target_first_tokens) gives:
     # tighter buys a caller nothing the frontend's own hops would not eat, and costs bulk its prompt chunks.
     ttft_target_floor_s: float = 0.5
-    # An interactive request that has waited for room under the ITL target as long as its TTFT target allows:
-    # "admit" lets it in anyway (the running streams' steps slow down, its first token is on time); "refuse" answers
-    # it RESOURCE_EXHAUSTED with a retry hint instead, within its TTFT target, so that the caller can go elsewhere
-    # and the running streams keep their pace. Only a request with nothing delivered yet, and not one of n samples.
-    late_interactive: str = flag("admit", "--late-interactive", "an interactive request the ITL target has had no "
-                                 "room for by the last moment its TTFT target allows: admit it anyway (the running "
-                                 "streams slow down) or refuse it then with a retry hint (they keep their pace)",
+    # An interactive request that cannot get its first token within its TTFT target: "admit" lets one the ITL target
+    # has no room for in anyway once it has waited as long as that target allows (the running streams' steps slow
+    # down); "refuse" admits none whose first token is forecast past its target, and answers RESOURCE_EXHAUSTED with
+    # a retry hint once no worker could serve it in time, so that the caller can go elsewhere. Only a new request
+    # with nothing delivered yet is refused (rules.late_refused), never one a prompt too long alone makes late.
+    late_interactive: str = flag("admit", "--late-interactive", "an interactive request no worker can give its "
+                                 "first token within the TTFT target: admit it anyway once it has waited that long "
+                                 "(the running streams slow down), or refuse it then with a retry hint",
                                  choices=("admit", "refuse"))
     # Let at least this many bulk sequences decode in every step, so that bulk never starves
     # while interactive streams run.

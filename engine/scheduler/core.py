@@ -319,9 +319,8 @@ class Scheduler:
     def _refused_late(self, e: Entry, model: ModelState, now: float) -> Refuse | None:
         """With late interactive requests refused (config.late_interactive; rules.late_refused says which): `e`,
         which no worker takes now, is refused once no worker could give it its first token within its TTFT target
-        even were it admitted now (admission.first_token_at, with the prompts each worker still owes): answered
-        within its target with a retry hint, rather than served late. The hint: when the first interactive stream
-        running is due to end."""
+        even were it admitted now (rules.lateness): answered within its target with a retry hint
+        (`_in_time_again`), rather than served late."""
         if not self.rules.late_refused(e) or now < self._hopeless_at(e, model, now):
             return None
         self._dequeue(e)
@@ -340,12 +339,12 @@ class Scheduler:
         best = math.inf
         for wid in model.workers:
             w = self.workers[wid]
-            deadline = self.planner.first_token_deadline(e, w, model)
-            if deadline is None:
+            late = self.rules.lateness(e, w, model, now)
+            if late is None:
                 continue
-            prompts_done = self.admission.first_token_at(e, w, now)[0] - (deadline - e.arrival) - now
+            prompts_done = late - (now - e.arrival)  # sent again now, its deadline moves on by its wait so far
             room = 0.0
-            if not self.planner.keeps_itl_target(e, w, model, now, late=False):
+            if not self.planner.keeps_itl_target(e, w, model, now):
                 ends = [x.est_finish - now for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]
                 room = min(ends, default=0.0)
             best = min(best, max(prompts_done, room))
@@ -354,14 +353,8 @@ class Scheduler:
     def _hopeless_at(self, e: Entry, model: ModelState, now: float) -> float:
         """From when no worker could give `e` its first token in time, were it admitted then (inf: some worker
         always could, or it has no deadline). A forecast that moves with the clock: its lateness now, added."""
-        at = -math.inf
-        for wid in model.workers:
-            w = self.workers[wid]
-            deadline = self.planner.first_token_deadline(e, w, model)
-            if deadline is None:
-                return math.inf
-            at = max(at, now + deadline - self.admission.first_token_at(e, w, now)[0])
-        return at if model.workers else math.inf
+        lates = [self.rules.lateness(e, self.workers[wid], model, now) for wid in model.workers]
+        return now - min(lates) if lates and None not in lates else math.inf
 
     def _compose(self, model: ModelState) -> list[Action]:
         """Each worker's step plan for what now runs on it (engine/scheduler/planner.py); sent only when its

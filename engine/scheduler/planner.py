@@ -139,8 +139,7 @@ class StepPlanner:
             target = tightest if target is None else min(target, tightest)
         return target
 
-    def keeps_itl_target(self, e: Entry, w: WorkerView, model: ModelState, now: float | None = None, *,
-                         late: bool | None = None) -> bool:
+    def keeps_itl_target(self, e: Entry, w: WorkerView, model: ModelState, now: float | None = None) -> bool:
         """Can the worker's steps still be composed within the ITL target with `e` decoding too, and
         still leave bulk its throughput goal?
 
@@ -149,8 +148,7 @@ class StepPlanner:
         stream on the worker would miss it; and each one more leaves less of a step for bulk. Beyond
         that, a newcomer waits in the queue for one to end (its TTFT pays, not the running streams'
         ITL, nor bulk's goal); the first is always let in, and one that has waited as long as its TTFT target
-        allows (`admits_late`, given `now`), unless late requests are refused (config.late_interactive; `late`
-        overrides it: True asks whether it would go in late)."""
+        allows (`admits_late`, given `now`), unless late requests are refused (config.late_interactive)."""
         interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]  # this round's admissions too
         if not interactive:
             return True
@@ -164,6 +162,5 @@ class StepPlanner:
         goal = self.bulk_goal_per_worker(model)
         keeps = (a + b * (streams + min(self.config.min_bulk_decode, bulk)) <= planned
                  and (goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal))
-        if late is None:
-            late = self.config.late_interactive == "admit"
-        return keeps or (late and now is not None and self.admits_late(e, w, model, now))
+        late_admitted = self.config.late_interactive == "admit" and now is not None
+        return keeps or (late_admitted and self.admits_late(e, w, model, now))

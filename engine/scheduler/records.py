@@ -87,7 +87,7 @@ class Refusal(enum.Enum):
     NO_WORKER = "no_worker"
     TOO_LARGE = "too_large"
     DUPLICATE = "duplicate_request"
-    NO_ROOM_IN_TIME = "no_room_in_time"  # interactive: no room under the ITL target before its TTFT target (opt-in)
+    NO_ROOM_IN_TIME = "no_room_in_time"  # interactive: no worker can give its first token within the TTFT target (opt-in)
 
 
 @dataclass(frozen=True)
@@ -202,4 +202,4 @@ class Counters:
 
     stale_outputs: int = 0  # outputs of runs no longer current, dropped
     kv_preemptions: int = 0  # bulk runs stopped because running sequences outgrew the KV cache
-    late_refusals: int = 0  # interactive requests refused for want of room under the ITL target in time (opt-in)
+    late_refusals: int = 0  # interactive requests refused for want of a worker that could start them in time (opt-in)

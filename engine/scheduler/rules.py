@@ -101,22 +101,27 @@ class DispatchRules:
         return (self.config.late_interactive == "refuse" and e.cls == TrafficClass.INTERACTIVE and not e.generated
                 and e.attempt == 1 and e.group is None)
 
-    def in_time(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> bool:
-        """Would `e`, admitted to `w` now, get its first token by its deadline (planner.first_token_deadline)?"""
+    def lateness(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> float | None:
+        """How far past its deadline (planner.first_token_deadline) `e`'s first token would come, were it admitted to
+        `w` now (admission.first_token_at, with the prompts `w` still owes; negative: time to spare); None without one."""
         deadline = self.planner.first_token_deadline(e, w, model)
-        return deadline is None or self.admission.first_token_at(e, w, now)[0] <= deadline
+        return None if deadline is None else self.admission.first_token_at(e, w, now)[0] - deadline
+
+    def in_time(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> bool:
+        """Would `e`, admitted to `w` now, get its first token by its deadline?"""
+        late = self.lateness(e, w, model, now)
+        return late is None or late <= 0
 
     def can_take(self, e: Entry, w: WorkerView, budget: StepBudget, model: ModelState, admitted: list[Admission],
-                 now: float, *, late: bool | None = None) -> bool:
-        """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?
-        `late`: as planner.keeps_itl_target's (True: would it, were a late interactive request let in)."""
+                 now: float) -> bool:
+        """Would this worker admit `e` now: budget, bulk's floor, a suspect's isolation, running deadlines?"""
         if isolated(e, self.config) and (w.running or admitted):
             return False  # a suspect waits for an idle worker (crashes.py)
         # Interactive leaves bulk its floor; bulk leaves interactive its held slots.
         reserve = self.bulk_reserve(w, model) if e.cls == TrafficClass.INTERACTIVE else w.held_for_interactive()
         if budget.slots - 1 < reserve or not budget.fits(e):
             return False
-        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model, now, late=late):
+        if e.cls == TrafficClass.INTERACTIVE and not self.planner.keeps_itl_target(e, w, model, now):
             return False
         if self.late_refused(e) and not self.in_time(e, w, model, now):
             return False  # its first token would come past its TTFT target: refused instead (Scheduler._refused_late)
