@@ -171,6 +171,9 @@ def test_a_request_a_crash_sent_back_is_served_however_late_while_a_new_one_that
     s.add_worker(worker_spec(0, max_seqs=1, continuous=True, model="sim"))
     assert admitted(s.submit(entry("first"))) == ["first"]
     assert s.submit(entry("new")) == []  # no slot: it waits
+    # A timer is set for the moment no worker could start it in time (0.16 s, its target at the 0.8 set point, less
+    # a step's forecast): its refusal waits for no step report.
+    assert 0.0 < s.next_wakeup() <= 0.16
     clock.now = 1.0  # past its target: refused, with a hint
     assert [(a.key, a.retry_after_s > 0) for a in s.on_timer() if isinstance(a, Refuse)] == [("new", True)]
     s.worker_lost(0)  # "first" goes back, as late as "new" was
