@@ -344,9 +344,10 @@ class Supervisor(SwapIns):
         if spawned is not None:
             self.startup_s[spec.model] = time.monotonic() - spawned
         self._pin(wid)
-        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, %s, attention kernel %s, self-check %s",
+        log.info("worker %d ready: model %s, pid %d, %d KV blocks of %d, %d seqs, %s, %s, attention kernel %s, "
+                 "single-sequence step %.2f ms, self-check %s",
                  wid, spec.model, spec.pid, spec.kv_blocks_total, spec.block_size, spec.engine_seqs, spec.dtype or "-",
-                 spec.execution or "-", spec.attention_kernel or "-", spec.self_check or "-")
+                 spec.execution or "-", spec.attention_kernel or "-", spec.single_step_s * 1000, spec.self_check or "-")
         placement = getattr(self.handles.get(wid), "placement", None)
         if placement is not None:  # a Ray actor: where Ray put it
             log.info("worker %d ready: model %s on Ray node %s (host %s, pid %d)", wid, spec.model, placement.node_id,

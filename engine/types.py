@@ -194,6 +194,11 @@ class WorkerSpec:
     # self-check's first step, scaled to the budget; 0: not measured): the watchdog's scale before
     # the worker has reported steps of its own.
     full_step_s: float = 0.0
+    # One sequence decoding alone: its step period, as the worker timed it on its idle engine before taking work
+    # (vllm_build.time_single_step; 0: not timed). The scheduler starts the worker's single step from it
+    # (scheduler/pace.py), which default ITL targets are multiples of: learnt only from live traffic, it was what
+    # batch-1 steps cost beside a load generator's first requests, and under a saturated mix it never relearnt.
+    single_step_s: float = 0.0
 
 
 @dataclass

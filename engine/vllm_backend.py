@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm reads its settings
 
-from tokenline.engine.vllm_build import KernelChoice, ProbeTiming, build_engine, first_line, run_probes  # noqa: E402
+from tokenline.engine.vllm_build import (KernelChoice, ProbeTiming, build_engine, first_line, run_probes,  # noqa: E402
+                                         time_single_step)
 from tokenline.engine.vllm_sampling import (finish_reason, output_logprobs, prompt_logprobs,  # noqa: E402
                                             sampling_params)
 from tokenline.engine.vllm_schedule_hook import ScheduleHook, rewindable_generators_on_cpu  # noqa: E402
@@ -60,6 +61,8 @@ class VllmBackend:
         (log.info if self.step_plans else log.warning)("worker %d: %s", worker_id, why)
         if reference is not None:
             self.self_check = self._run_self_check(reference)
+        self.single_step_s = time_single_step(self.engine, list(range(1, 9)))
+        log.info("worker %d: one sequence decoding alone steps every %.2f ms", worker_id, self.single_step_s * 1000)
         self._internal_id: dict[str, str] = {}  # key -> vLLM's request id (key + random suffix)
         self._key_of: dict[str, str] = {}  # the reverse
         self._seen_scheduled: set[str] = set()
@@ -92,6 +95,7 @@ class VllmBackend:
             execution=self.execution,
             self_check=self.self_check,
             full_step_s=self.full_step_s,
+            single_step_s=self.single_step_s,
         )
 
     def _reference(self) -> tuple[selfcheck.Reference | None, str]:

@@ -42,6 +42,23 @@ class ProbeTiming:
         return self.first_step_s * max(budget / self.first_step_tokens, 1.0)
 
 
+SINGLE_STEP_SAMPLES = 24  # single-sequence decode steps timed at start (after two that warm up)
+
+
+def time_single_step(engine: LLMEngine, prompt_ids: list[int], steps: int = SINGLE_STEP_SAMPLES) -> float:
+    """A single-sequence decode step's period on this idle engine: the median of `steps` step-to-step periods of
+    one greedy sequence (its prompt's step and the first decode step left out), the loop around `engine.step()`
+    included, as the worker's own step loop runs it. What a stream alone sees, before any traffic can slow it."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    engine.add_request("time-single-step", {"prompt_token_ids": list(prompt_ids)}, params)
+    ends: list[float] = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        ends.append(time.perf_counter())
+    periods = sorted(b - a for a, b in zip(ends[1:], ends[2:]))  # after the prompt's step and one decode step
+    return periods[len(periods) // 2] if periods else 0.0
+
+
 def run_probes(engine: LLMEngine, reference: selfcheck.Reference,
                timing: ProbeTiming | None = None, *, read: bool = True) -> dict[str, selfcheck.Observed]:
     """Run the reference's probes through the engine: greedy decoding, and reading the reference's tokens (unless

@@ -273,7 +273,8 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     status = 0
     if ready.done() and ready.result():
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-        print(f"tokenline: serving on {config.host}:{port}{_serving_mode(runtime)}", flush=True)
+        print(f"tokenline: serving on {config.host}:{port}{_serving_mode(runtime)}{_itl_target_now(runtime, default_model)}",
+              flush=True)
         if jobs is not None:
             jobs.start()
             print(f"tokenline: running jobs from {jobs.store.description} as {jobs.owner}", flush=True)
@@ -347,6 +348,18 @@ async def _watch_keys(auth: Authenticator, runtime: Runtime, base: SchedulerConf
 def _serving_mode(runtime: Runtime) -> str:
     """What the start-up line adds while the compiled workers are still being built (serve while compiling)."""
     return " (eager; compiled workers swap in as they are built)" if runtime.workers.swapping else ""
+
+
+def _itl_target_now(runtime: Runtime, model: str) -> str:
+    """The default model's ITL target in milliseconds where it is a multiple of the single-sequence step, from what
+    its first worker timed on its idle engine (WorkerSpec.single_step_s); nothing where it is not."""
+    interactive = runtime.scheduler.config.interactive
+    steps = [s.single_step_s for s in runtime.specs.values() if s.model == model and s.single_step_s > 0]
+    if interactive.itl_target_s is not None or interactive.itl_target_steps is None or not steps:
+        return ""
+    single = min(steps)
+    return (f"; interactive ITL target {interactive.itl_target_for(single) * 1000:.1f} ms "
+            f"({interactive.itl_target_steps:g} × the {single * 1000:.1f} ms single-sequence step it measured)")
 
 
 async def _await_ready(runtime: Runtime, served: dict[str, ServedModel], timeout: float) -> bool:

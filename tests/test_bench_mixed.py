@@ -83,3 +83,19 @@ def test_a_short_mixed_run_reports_every_target_beside_the_references(tmp_path):
     assert (tmp_path / "tokenline" / "itl-3x" / "steps.png").stat().st_size > 0
     text = (tmp_path / "mixed.txt").read_text()
     assert "bulk alone with targets ÷ without" in text and "3× = " in text
+
+
+def test_the_defaults_run_is_also_scored_at_the_itl_target_the_server_named():
+    from tokenline.bench.mixed import format_mixed, named_itl_target_ms
+
+    log = ("tokenline: listening on 127.0.0.1:5 (default model m); loading workers…\n"
+           "tokenline: serving on 127.0.0.1:5; interactive ITL target 32.7 ms (3 × the 10.9 ms single-sequence step "
+           "it measured)\n")
+    assert named_itl_target_ms(log) == 32.7
+    assert named_itl_target_ms("tokenline: serving on 127.0.0.1:5\n") is None  # a target given in ms, or none
+    run = {"server": "tokenline (defaults)", "itl_target_steps": 3.0, "slo": {"itl_ms": 32.8, "ttft_ms": 500.0},
+           "attain_ttft": 1.0, "attain_itl": 0.5, "attain_both": 0.5, "own_itl_target_ms": 32.7,
+           "attain_ttft_own": 1.0, "attain_itl_own": 0.25, "attain_both_own": 0.25}
+    text = format_mixed({"servers": {}, "runs": [run], "spec": {"ttft_target_ms": 500.0}})
+    own = next(line for line in text.splitlines() if "at its own T" in line)
+    assert "named 32.7 ms" in own and "0.250" in own and "0.500" not in own

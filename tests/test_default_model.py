@@ -1,5 +1,7 @@
 """The default model, prepared the way `make run` prepares it, gives real answers."""
 
+import re
+
 import pytest
 
 from tokenline.client import Client
@@ -43,6 +45,19 @@ def test_the_default_model_runs_compiled_as_make_run_serves_it(default_server):
         info = client.list_models()[0]
     assert info.execution == "compiled", info.execution
     assert "SmolLM2-135M-Instruct" in default_server.output() and ", compiled" in default_server.output()
+
+
+def test_the_serving_line_names_the_default_itl_target_from_the_step_the_worker_timed_alone(default_server):
+    # No target flag: the ITL target is 3 × the single-sequence step each worker times on its idle engine as it
+    # starts, and the start-up says what that came to, in milliseconds.
+    out = default_server.output()
+    line = re.search(r"tokenline: serving on .*interactive ITL target ([\d.]+) ms \(3 × the ([\d.]+) ms "
+                     r"single-sequence step it measured\)", out)
+    assert line, out[-3000:]
+    target_ms, single_ms = float(line.group(1)), float(line.group(2))
+    assert single_ms > 0 and target_ms == pytest.approx(3 * single_ms, abs=0.15)
+    timed = [float(m) for m in re.findall(r"worker \d+ ready: .*single-sequence step ([\d.]+) ms", out)]
+    assert timed and min(timed) == pytest.approx(single_ms, abs=0.06)
 
 
 @pytest.fixture(scope="module")

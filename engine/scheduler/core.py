@@ -89,6 +89,8 @@ class Scheduler:
         old = self.workers.get(spec.worker_id)
         pace = old.pace.restarted() if old is not None else \
             WorkerPace.fresh(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)  # a restart keeps what was learnt
+        if spec.single_step_s > 0:
+            pace.single_step_s = spec.single_step_s  # timed on its idle engine: where its single step starts from
         self.workers[spec.worker_id] = WorkerView(spec=spec, pace=pace, isolate_after_crashes=self.config.isolate_after_crashes)
         model = self._model(spec.model)
         model.last_spec = spec

@@ -28,9 +28,11 @@ class WorkerPace:
     estimator: StepEstimator  # the engine's step time
     # Its step period as its streams see it (report to report while busy): what step composition plans by.
     cadence: StepEstimator = field(default_factory=lambda: StepEstimator(0.05))
-    # Its measured period with one sequence decoding: a moving average that falls fast and rises slowly, so it sits
-    # at the fast end of their noise (±8 % here) — what a stream alone gets — rather than at their mean; it still
-    # follows a worker that really slowed, over a few hundred steps. ITL targets are multiples of it.
+    # Its measured period with one sequence decoding: from the worker's own timing on its idle engine at start
+    # (WorkerSpec.single_step_s, set by Scheduler.add_worker), then a moving average that falls fast and rises
+    # slowly, so it sits at the fast end of their noise (±8 % here) — what a stream alone gets — rather than at
+    # their mean; it still follows a worker that really slowed, over a few hundred steps. ITL targets are
+    # multiples of it.
     single_step_s: float | None = None
     # Its cost per prompt token, measured on steps that computed at least PREFILL_SAMPLE_TOKENS of
     # them (a moving average): the floor under the fitted one when steps are planned.
