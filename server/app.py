@@ -358,8 +358,9 @@ def _itl_target_now(runtime: Runtime, model: str) -> str:
     if interactive.itl_target_s is not None or interactive.itl_target_steps is None or not steps:
         return ""
     single = min(steps)
+    eager = ", eager: each compiled worker times its own" if runtime.workers.swapping else ""
     return (f"; interactive ITL target {interactive.itl_target_for(single) * 1000:.1f} ms "
-            f"({interactive.itl_target_steps:g} × the {single * 1000:.1f} ms single-sequence step it measured)")
+            f"({interactive.itl_target_steps:g} × the {single * 1000:.1f} ms single-sequence step it measured{eager})")
 
 
 async def _await_ready(runtime: Runtime, served: dict[str, ServedModel], timeout: float) -> bool:
