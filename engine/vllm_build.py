@@ -49,7 +49,10 @@ def time_single_step(engine: LLMEngine, prompt_ids: list[int], steps: int = SING
     """A single-sequence decode step's period on this idle engine: the median of `steps` step-to-step periods of
     one greedy sequence (its prompt's step and the first decode step left out), the loop around `engine.step()`
     included, as the worker's own step loop runs it. What a stream alone sees, before any traffic can slow it."""
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    room = engine.model_config.max_model_len - len(prompt_ids)  # a tiny context still gets what fits
+    if room < 4:
+        return 0.0
+    params = SamplingParams(max_tokens=min(steps + 2, room), temperature=0.0, ignore_eos=True)
     engine.add_request("time-single-step", {"prompt_token_ids": list(prompt_ids)}, params)
     ends: list[float] = []
     while engine.has_unfinished_requests():
