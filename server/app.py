@@ -352,9 +352,13 @@ def _serving_mode(runtime: Runtime) -> str:
 
 def _itl_target_now(runtime: Runtime, model: str) -> str:
     """The default model's ITL target in milliseconds where it is a multiple of the single-sequence step, from what
-    its first worker timed on its idle engine (WorkerSpec.single_step_s); nothing where it is not."""
+    its first worker timed on its idle engine (WorkerSpec.single_step_s); nothing where it is not, or where that
+    step is too short to stand for what a stream sees (scheduler/pace.py TIMED_SINGLE_MIN_S: learnt from traffic)."""
     interactive = runtime.scheduler.config.interactive
-    steps = [s.single_step_s for s in runtime.specs.values() if s.model == model and s.single_step_s > 0]
+    from tokenline.engine.scheduler.pace import timed_single_step
+
+    steps = [s.single_step_s for s in runtime.specs.values()
+             if s.model == model and timed_single_step(s.single_step_s) is not None]
     if interactive.itl_target_s is not None or interactive.itl_target_steps is None or not steps:
         return ""
     single = min(steps)

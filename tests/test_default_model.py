@@ -60,6 +60,15 @@ def test_the_serving_line_names_the_default_itl_target_from_the_step_the_worker_
     assert timed and min(timed) == pytest.approx(single_ms, abs=0.06)
 
 
+def test_a_step_too_short_to_stand_for_what_a_stream_sees_is_learnt_from_traffic_instead(tiny_server):
+    # The tiny model times ~1.1 ms a step where a stream alone gets ~1.3 ms: the frontend's share is not small
+    # beside it, so the serving line names no target from it (the scheduler learns the step from traffic).
+    out = tiny_server.output()
+    timed = [float(m) for m in re.findall(r"worker \d+ ready: .*single-sequence step ([\d.]+) ms", out)]
+    assert timed and max(timed) < 5.0, timed
+    assert "interactive ITL target" not in out
+
+
 @pytest.fixture(scope="module")
 def eager_server():
     server = ServerProcess("--kv-cache-mb", "256", "--max-seqs", "4", "--compile", "off").start(timeout=600)

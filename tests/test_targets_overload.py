@@ -151,6 +151,20 @@ def test_the_default_itl_target_is_a_multiple_of_the_step_a_worker_timed_alone_n
     assert _worst_mean_itl(untimed) > 3 * alone
 
 
+def test_a_timed_step_too_short_to_stand_for_what_a_stream_sees_is_not_where_the_estimate_starts():
+    """The frontend's share of a single-sequence step, ~0.2 ms here, is a few % of 11 ms but a sixth of the tiny
+    model's 1.1 ms: taken as the single step, its ITL target held back streams its steps had room for."""
+    from dataclasses import replace
+
+    from tokenline.engine.scheduler.core import Scheduler
+
+    s = Scheduler(SchedulerConfig(interactive=ClassConfig(itl_target_steps=3.0)), lambda: 0.0)
+    s.add_worker(replace(worker_spec(0, max_seqs=8, continuous=True), single_step_s=0.0011))
+    s.add_worker(replace(worker_spec(1, max_seqs=8, continuous=True), single_step_s=0.0109))
+    assert s.workers[0].pace.single_step_s is None  # learnt from its first single-sequence steps, as before
+    assert s.workers[1].pace.single() == 0.0109
+
+
 def _refusing_flood(long_prompts: int = 0) -> Simulation:
     """The flood above with late requests refused; the last `long_prompts` of each wave of 64 bring 2,048 prompt
     tokens."""

@@ -26,7 +26,7 @@ from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import blocks_for
 from tokenline.engine.scheduler.config import SchedulerConfig, model_name
 from tokenline.engine.scheduler.crashes import CrashRecovery
-from tokenline.engine.scheduler.pace import WorkerPace
+from tokenline.engine.scheduler.pace import WorkerPace, timed_single_step
 from tokenline.engine.scheduler.placement import SiblingPlacement
 from tokenline.engine.scheduler.planner import StepPlanner
 from tokenline.engine.scheduler.preemption import Preemption
@@ -89,7 +89,7 @@ class Scheduler:
         old = self.workers.get(spec.worker_id)
         pace = old.pace.restarted() if old is not None else \
             WorkerPace.fresh(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)  # a restart keeps what was learnt
-        if spec.single_step_s > 0:
+        if timed_single_step(spec.single_step_s) is not None:
             pace.single_step_s = spec.single_step_s  # timed on its idle engine: where its single step starts from
         self.workers[spec.worker_id] = WorkerView(spec=spec, pace=pace, isolate_after_crashes=self.config.isolate_after_crashes)
         model = self._model(spec.model)

@@ -21,6 +21,17 @@ from tokenline.engine.types import StepPlan, StepReport
 STEP_RATIO_MIN, STEP_RATIO_MAX = 0.5, 2.0
 # How far one single-sequence step period moves `single_step_s`: one below it, and one above.
 SINGLE_FALL, SINGLE_RISE = 0.3, 0.005
+# The shortest single-sequence step a worker's own timing at start (WorkerSpec.single_step_s) is taken for what a
+# stream alone sees. Its timing leaves out the pipe to the frontend and the frontend's share of a step, ~0.2 ms on
+# a single sequence here: a few % of the default model's 11 ms on a CPU (timed 11.2, a stream alone 10.8 ms apart),
+# but the tiny model timed 1.12 ms where a stream alone got 1.30, and far more on a loaded box; taken as is, its ITL
+# target held streams back that its steps had room for. Below this the estimate is learnt from traffic alone.
+TIMED_SINGLE_MIN_S = 0.005
+
+
+def timed_single_step(single_step_s: float) -> float | None:
+    """A worker's single step as it timed it at start, where that stands for what a stream alone sees; else None."""
+    return single_step_s if single_step_s >= TIMED_SINGLE_MIN_S else None
 
 
 @dataclass
