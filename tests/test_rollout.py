@@ -22,8 +22,9 @@ from tokenline.engine.models import model_version, resolve_model
 pytestmark = pytest.mark.engine
 
 # 32 run at once and the rest wait, so that the old version is still busy when the new one is ready however fast
-# this machine steps (the new version's worker takes seconds to start).
-STREAMS, RUNNING, TOKENS = 128, 32, 800
+# this machine steps (the new version's worker takes seconds to start: beside a CPU hog, four waves of 800 tokens had
+# all ended before it was ready, so each stream is 2,000 tokens long).
+STREAMS, RUNNING, TOKENS = 128, 32, 2000
 
 
 @pytest.fixture(scope="module")
