@@ -98,6 +98,23 @@ def test_slots_held_for_interactive_let_streams_into_a_bulk_flood_without_preemp
     assert ttft(held) <= ttft(full) + 1e-9
 
 
+def test_streams_take_slots_from_bulk_down_to_its_floor_and_no_run_is_stopped_for_a_slot_the_floor_keeps():
+    # Every slot is bulk's when as many streams come; bulk keeps its floor (at least one run): the streams beyond
+    # wait for a slot, and the run that keeps bulk's floor is never stopped (stopping it let nobody in: bulk's
+    # floor took the slot back, and the run started over from its tokens, again and again).
+    config = SchedulerConfig(interactive=ClassConfig(admission_window_s=0.0), bulk=ClassConfig(admission_window_s=0.0))
+    assert config.bulk_floor > 0  # the default: 8 slots keep one bulk run
+    spec = worker_spec(0, max_seqs=8, continuous=True)
+    sim = Simulation(config, [(spec, linear_cost(0.01, 0.001))])
+    bulk = [SimRequest(f"bulk-{i}", 0.0, prompt_tokens=16, max_tokens=200, cls=TrafficClass.BULK) for i in range(8)]
+    chats = [SimRequest(f"chat-{i}", 0.5, prompt_tokens=8, max_tokens=4) for i in range(8)]
+    out = sim.run(bulk + chats)
+    assert all(o.status == "finished" for o in out.values())
+    restarts = sorted(out[r.key].admissions - 1 for r in bulk)
+    assert restarts == [0] + [1] * 7, restarts  # seven gave their slots, once each; the floor's run never stopped
+    assert sorted(out[c.key].first_token for c in chats)[-1] > out["bulk-0"].first_token + 0.5  # the eighth waited
+
+
 def test_a_target_with_no_interactive_traffic_costs_bulk_nothing():
     bulk_only = [r for r in _flood() if r.cls == TrafficClass.BULK]
     with_target, without = _run(TARGET_S, bulk_only), _run(None, bulk_only)

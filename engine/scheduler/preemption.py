@@ -13,7 +13,6 @@ The Scheduler holds one Preemption, built over its state and given the scheduler
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from tokenline.engine.scheduler.budget import blocks_for
@@ -56,7 +55,7 @@ class Preemption:
             if not w.spec.continuous or not self.planner.keeps_itl_target(head, w, model, now) \
                     or (self.rules.late_refused(head) and not self.rules.in_time(head, w, model, now)):
                 continue  # preempting bulk would not let it in
-            floor = math.floor(w.spec.engine_seqs * self.config.bulk_floor)
+            floor = self.rules.bulk_floor_seqs(w)  # the slots bulk keeps: preempting one would not let `head` in
             bulk = sorted((e for e in w.running.values() if e.cls == TrafficClass.BULK), key=lambda e: e.arrival)
             # Newest first; a run preempted too often keeps its place, so bulk always progresses.
             victims = [v for v in reversed(bulk[floor:]) if v.preemptions < self.config.max_preemptions]

@@ -86,11 +86,19 @@ class DispatchRules:
                     at = min(at, e.deadline - self.admission.service_estimate(model_name, e))
         return at
 
+    def bulk_floor_seqs(self, w: WorkerView) -> int:
+        """Bulk runs `w` keeps for bulk (config.bulk_floor of its slots, at least one when bulk has a floor at all):
+        interactive does not take these slots while bulk waits (`bulk_reserve`), nor preempts these runs
+        (preemption.py), so a run is never stopped for a slot that bulk's floor then keeps."""
+        if self.config.bulk_floor == 0:
+            return 0
+        return max(1, math.floor(w.spec.engine_seqs * self.config.bulk_floor))
+
     def bulk_reserve(self, w: WorkerView, model: ModelState) -> int:
         """Slots interactive may not take from this worker while bulk waits below its floor."""
-        if not model.queues[TrafficClass.BULK] or self.config.bulk_floor == 0:
+        if not model.queues[TrafficClass.BULK]:
             return 0
-        floor = max(1, math.floor(w.spec.engine_seqs * self.config.bulk_floor))
+        floor = self.bulk_floor_seqs(w)
         bulk_running = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK)
         return max(floor - bulk_running, 0)
 
