@@ -62,7 +62,6 @@ class VllmBackend:
         if reference is not None:
             self.self_check = self._run_self_check(reference)
         self.single_step_s = time_single_step(self.engine, list(range(1, 9)))
-        log.info("worker %d: one sequence decoding alone steps every %.2f ms", worker_id, self.single_step_s * 1000)
         self._internal_id: dict[str, str] = {}  # key -> vLLM's request id (key + random suffix)
         self._key_of: dict[str, str] = {}  # the reverse
         self._seen_scheduled: set[str] = set()

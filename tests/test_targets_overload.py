@@ -165,6 +165,24 @@ def test_a_timed_step_too_short_to_stand_for_what_a_stream_sees_is_not_where_the
     assert s.workers[1].pace.single() == 0.0109
 
 
+def test_a_worker_started_again_after_a_crash_starts_from_the_step_its_new_engine_timed():
+    """A crashed worker's replacement times its own idle engine at start (another CPU set, another load beside it):
+    its estimate starts there, not from what its predecessor learnt nor from the prior."""
+    from dataclasses import replace
+
+    from tokenline.engine.scheduler.core import Scheduler
+
+    s = Scheduler(SchedulerConfig(interactive=ClassConfig(itl_target_steps=3.0)), lambda: 0.0)
+    spec = worker_spec(0, max_seqs=8, continuous=True)
+    s.add_worker(replace(spec, single_step_s=0.0109))
+    s.workers[0].pace.single_step_s = 0.0131  # learnt from traffic since
+    s.worker_lost(0)
+    s.add_worker(replace(spec, single_step_s=0.0122))  # the supervisor's replacement, same id
+    assert s.workers[0].pace.single() == 0.0122
+    s.add_worker(replace(spec, single_step_s=0.0117))  # re-added while still known (a restart that kept its slot)
+    assert s.workers[0].pace.single() == 0.0117
+
+
 def _refusing_flood(long_prompts: int = 0) -> Simulation:
     """The flood above with late requests refused; the last `long_prompts` of each wave of 64 bring 2,048 prompt
     tokens."""
