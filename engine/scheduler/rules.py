@@ -113,7 +113,12 @@ class DispatchRules:
         """How far past its deadline (planner.first_token_deadline) `e`'s first token would come, were it admitted to
         `w` now (admission.first_token_at, with the prompts `w` still owes; negative: time to spare); None without one."""
         deadline = self.planner.first_token_deadline(e, w, model)
-        return None if deadline is None else self.admission.first_token_at(e, w, now)[0] - deadline
+        if deadline is None:
+            return None
+        first_token = self.admission.first_token_at(e, w, now)[0]
+        owed = sum(x.prefill_tokens for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE and not x.prefilled)
+        chunked = self.planner.chunked_first_token_at(w, now, owed + e.prompt_tokens + e.generated)
+        return max(first_token, chunked if chunked is not None else first_token) - deadline
 
     def in_time(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> bool:
         """Would `e`, admitted to `w` now, get its first token by its deadline?"""
