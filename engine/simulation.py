@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
@@ -47,6 +47,7 @@ class SimRequest:
     stops_after: int | None = None  # the model ends it on its own (eos) after this many tokens; None: at max_tokens
     itl_target_s: float | None = None  # interactive: its own inter-token latency target (None: the class's)
     group: str | None = None  # one call's n samples share this (Entry.group: they prefer one worker)
+    retries: int = 0  # refused with a retry hint, the caller sends it again when told, this many times ("key+1", ...)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Outcome:
     queueing_s: float = 0.0
     admission_wait_s: float = 0.0
     admissions: int = 0
+    retry_after_s: float | None = None  # a refusal's hint
 
     @property
     def waited(self) -> float | None:
@@ -156,6 +158,7 @@ class Simulation:
         self._timer_at: float | None = None
         self.dispatched: list[tuple[float, str, int]] = []  # (time, key, worker) of every admission
         self._stops_after: dict[str, int | None] = {}
+        self._requests: dict[str, SimRequest] = {}  # by key, resent ones included
         self.max_queue = 0
         for w in self.workers.values():
             self._handle(self.scheduler.add_worker(w.spec))
@@ -166,6 +169,7 @@ class Simulation:
         by_key: dict[str, SimRequest] = {}
         for r in requests:
             by_key[r.key] = r
+            self._requests[r.key] = r
             self._push(r.arrival, "arrive", r)
             if r.cancel_at is not None:
                 self._push(r.cancel_at, "cancel", r.key)
@@ -242,7 +246,14 @@ class Simulation:
                     self._start_step(w)
             elif isinstance(a, Refuse):
                 o = self.outcomes[a.key]
-                o.status, o.message, o.completed = "refused", a.message, now
+                o.status, o.message, o.completed, o.retry_after_s = "refused", a.message, now, a.retry_after_s
+                r = self._requests.get(a.key)
+                if r is not None and r.retries > 0 and a.retry_after_s is not None:  # the caller comes back when told
+                    base, _, n = r.key.partition("+")
+                    again = replace(r, key=f"{base}+{int(n or 0) + 1}", arrival=now + a.retry_after_s,
+                                    retries=r.retries - 1, cancel_at=None)
+                    self._requests[again.key] = again
+                    self._push(again.arrival, "arrive", again)
             elif isinstance(a, Expire):
                 o = self.outcomes[a.key]
                 o.status, o.completed = "expired", now

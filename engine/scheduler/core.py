@@ -26,6 +26,7 @@ from tokenline.engine.scheduler.admission import AdmissionControl
 from tokenline.engine.scheduler.budget import blocks_for
 from tokenline.engine.scheduler.config import SchedulerConfig, model_name
 from tokenline.engine.scheduler.crashes import CrashRecovery
+from tokenline.engine.scheduler.hints import RetryHints
 from tokenline.engine.scheduler.pace import WorkerPace, timed_single_step
 from tokenline.engine.scheduler.placement import SiblingPlacement
 from tokenline.engine.scheduler.planner import StepPlanner
@@ -68,6 +69,8 @@ class Scheduler:
         self.crashes = CrashRecovery(config, self.workers, self.entries, self._model, can_take=self.rules.can_take,
                                      first_token_at=self.admission.first_token_at, enqueue=self._enqueue,
                                      forget=self._forget, take=self._take)
+        # When a request refused for lateness is told to come back (engine/scheduler/hints.py).
+        self.hints = RetryHints(self.planner, self.rules)
         # When running bulk gives way, and KV reservations as runs grow (engine/scheduler/preemption.py).
         self.preemption = Preemption(config, self.workers, self.counters, self.rules, self.planner,
                                      release=self._release, enqueue=self._enqueue)
@@ -335,22 +338,9 @@ class Scheduler:
 
     def _in_time_again(self, e: Entry, model: ModelState, now: float) -> float:
         """The retry hint of a late refusal: the soonest a worker could serve the same request in time, were it sent
-        again then and nothing else came: once the prompts it owes are computed (its first token, forecast now, no
-        later than the new request's target) and, were its ITL target what had no room, its first interactive
-        stream has ended."""
-        best = math.inf
-        for wid in model.workers:
-            w = self.workers[wid]
-            late = self.rules.lateness(e, w, model, now)
-            if late is None:
-                continue
-            prompts_done = late - (now - e.arrival)  # sent again now, its deadline moves on by its wait so far
-            room = 0.0
-            if not self.planner.keeps_itl_target(e, w, model, now):
-                ends = [x.est_finish - now for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]
-                room = min(ends, default=0.0)
-            best = min(best, max(prompts_done, room))
-        return min(max(best, 0.05), 60.0) if best < math.inf else self.admission.retry_after(model, e.cost, now)
+        again then, after the hints given before it (hints.py: a burst refused together is not told one moment)."""
+        hint = self.hints.hint(e, [self.workers[wid] for wid in model.workers], model, now)
+        return hint if hint is not None else self.admission.retry_after(model, e.cost, now)
 
     def _hopeless_at(self, e: Entry, model: ModelState, now: float) -> float:
         """From when no worker could give `e` its first token in time, were it admitted then (inf: some worker

@@ -118,6 +118,29 @@ class StepPlanner:
         steps = math.ceil(owed_tokens / chunk)
         return now + steps * max(planned, decode_s + c * min(chunk, owed_tokens))
 
+    def _streams_keep(self, streams: int, target: float, w: WorkerView, model: ModelState) -> bool:
+        """Do `streams` interactive streams on `w` (and the bulk that never starves) keep steps within `target` at
+        the ITL set point, and leave bulk its throughput goal?"""
+        bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
+        a, b, c = w.pace.line(len(w.running))
+        planned = self.config.itl_set_point * target
+        goal = self.bulk_goal_per_worker(model)
+        return (a + b * (streams + min(self.config.min_bulk_decode, bulk)) <= planned
+                and (goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal))
+
+    def stream_room(self, e: Entry, w: WorkerView, model: ModelState) -> tuple[int, float] | None:
+        """(How many interactive streams `w`'s steps keep within `e`'s ITL target, at least the one always let in;
+        that target), or None without an ITL target: for retry hints (hints.py), the room a stream booked there
+        takes."""
+        interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]
+        target = self.itl_target(interactive + [e], w.pace.single())
+        if target is None:
+            return None
+        streams = 1
+        while streams < w.spec.engine_seqs and self._streams_keep(streams + 1, target, w, model):
+            streams += 1
+        return streams, target
+
     def admits_late(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> bool:
         """Has interactive `e` waited for ITL room as long as its TTFT target allows? Then it goes in anyway
         (the running streams' steps slow down; its first token does not wait on theirs for ever). The last
@@ -176,12 +199,6 @@ class StepPlanner:
         target = self.itl_target(interactive + [e], w.pace.single())
         if target is None:
             return True
-        bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
-        a, b, c = w.pace.line(len(w.running))
-        streams = len(interactive) + 1
-        planned = self.config.itl_set_point * target
-        goal = self.bulk_goal_per_worker(model)
-        keeps = (a + b * (streams + min(self.config.min_bulk_decode, bulk)) <= planned
-                 and (goal is None or bulk_rate_beside(streams, (a, b, c), planned, model.bulk_prompt_per_output) >= goal))
+        keeps = self._streams_keep(len(interactive) + 1, target, w, model)
         late_admitted = self.config.late_interactive == "admit" and now is not None
         return keeps or (late_admitted and self.admits_late(e, w, model, now))
