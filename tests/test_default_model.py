@@ -62,11 +62,17 @@ def test_the_serving_line_names_the_default_itl_target_from_the_step_the_worker_
 
 def test_a_step_too_short_to_stand_for_what_a_stream_sees_is_learnt_from_traffic_instead(tiny_server):
     # The tiny model times ~1.1 ms a step where a stream alone gets ~1.3 ms: the frontend's share is not small
-    # beside it, so the serving line names no target from it (the scheduler learns the step from traffic).
+    # beside it, so the serving line names no target from it (the scheduler learns the step from traffic). On a box
+    # loaded enough to time it at 5 ms or more (6.85 ms once, beside a CPU hog and two test processes), the timing
+    # counts, and the line names 3 x it.
     out = tiny_server.output()
     timed = [float(m) for m in re.findall(r"worker \d+ ready: .*single-sequence step ([\d.]+) ms", out)]
-    assert timed and max(timed) < 5.0, timed
-    assert "interactive ITL target" not in out
+    assert timed, out[-3000:]
+    named = re.search(r"interactive ITL target ([\d.]+) ms \(3 × the ([\d.]+) ms single-sequence step", out)
+    if max(timed) < 5.0:
+        assert "interactive ITL target" not in out, named
+    else:
+        assert named and float(named.group(2)) == pytest.approx(min(timed), abs=0.06), out[-3000:]
 
 
 @pytest.fixture(scope="module")

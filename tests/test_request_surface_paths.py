@@ -306,8 +306,10 @@ def test_n_samples_each_continue_after_their_worker_is_sigkilled(crash_server):
         async with AsyncClient(crash_server.address) as client:
             deltas = []
             killed = False
-            async for d in client.generate(token_ids=[5, 6, 7], max_tokens=300, temperature=0.8, seed=3,
-                                           regex="(abc){40}", n=3):
+            # 100 × "abc" (~240 tokens a sample): on a loaded box this client read the streams ~90 tokens behind the
+            # server, and at 40 × one sample had ended before the kill.
+            async for d in client.generate(token_ids=[5, 6, 7], max_tokens=600, temperature=0.8, seed=3,
+                                           regex="(abc){100}", n=3):
                 deltas.append(d)
                 counts = [sum(len(x.token_ids) for x in deltas if x.sample_index == i) for i in range(3)]
                 if not killed and min(counts) >= 8:
@@ -319,5 +321,5 @@ def test_n_samples_each_continue_after_their_worker_is_sigkilled(crash_server):
     deltas = asyncio.run(run())
     for i in range(3):
         own = [d for d in deltas if d.sample_index == i]
-        assert "".join(d.text for d in own) == "abc" * 40
+        assert "".join(d.text for d in own) == "abc" * 100
         assert own[-1].timeline.attempts == 2 and own[-1].finish_reason == "stop"
