@@ -111,7 +111,9 @@ class DispatchRules:
 
     def lateness(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> float | None:
         """How far past its deadline (planner.first_token_deadline) `e`'s first token would come, were it admitted to
-        `w` now (admission.first_token_at, with the prompts `w` still owes; negative: time to spare); None without one."""
+        `w` now (negative: time to spare); None without one. The later of two forecasts: the pace's, with the prompts
+        `w` still owes (admission.first_token_at), and, beside interactive streams, the one with the interactive
+        prompts owed computed in the chunks the streams' ITL target leaves (planner.chunked_first_token_at)."""
         deadline = self.planner.first_token_deadline(e, w, model)
         if deadline is None:
             return None
