@@ -166,9 +166,7 @@ class Simulation:
     def run(self, requests: Iterable[SimRequest], *, until: float | None = None,
             after_event: Callable[[Simulation], None] | None = None) -> dict[str, Outcome]:
         """Play the requests to the end (or `until`); `after_event` sees the state after each event."""
-        by_key: dict[str, SimRequest] = {}
         for r in requests:
-            by_key[r.key] = r
             self._requests[r.key] = r
             self._push(r.arrival, "arrive", r)
             if r.cancel_at is not None:

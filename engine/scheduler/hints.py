@@ -3,8 +3,7 @@
 A hint is the soonest moment a worker could serve the same request within its TTFT target, were it sent again
 then: once the prompt tokens the worker owes leave its first token in time, and once its streams leave room under
 the ITL target. A burst refused together must not be told one moment: sent again together, it met the same full
-worker and was refused again (the simulator's flood: 180 refused, none served when they came back as told, six times
-over). So each hint books what its request will take on the worker it was told about: its prompt, added to the
+worker and was refused again (the simulator's burst flood: none of 186 served when they came back as told). So each hint books what its request will take on the worker it was told about: its prompt, added to the
 prompt tokens the worker owes when it comes back, and a stream's room under the ITL target from then until it ends
 (its max_tokens at the target). A later hint on that worker comes after those booked, once the prompt tokens owed
 then (what is owed now, computed at the rate the worker's step plan allows, plus the booked prompts) leave its first
@@ -46,16 +45,15 @@ class RetryHints:
         """Seconds until `e`, refused now for lateness, could come back and be served in time on one of
         `workers`, booked there; None if no worker has a TTFT target for it."""
         self._drop_past(now, {w.spec.worker_id for w in workers})
-        best: tuple[float, WorkerView] | None = None
+        best: tuple[float, WorkerView, tuple[int, float] | None] | None = None
         for w in workers:
-            at = self._soonest(e, w, model, now)
-            if at is not None and (best is None or at < best[0]):
-                best = (at, w)
+            soonest = self._soonest(e, w, model, now)
+            if soonest is not None and (best is None or soonest[0] < best[0]):
+                best = (soonest[0], w, soonest[1])
         if best is None:
             return None
-        at, w = best
+        at, w, room = best
         at = min(max(at, now + MIN_HINT_S), now + MAX_HINT_S)
-        room = self.planner.stream_room(e, w, model)
         per_token = w.pace.estimator.step_s(len(w.running) + 1)
         if room is not None:
             per_token = min(per_token, room[1])
@@ -63,7 +61,10 @@ class RetryHints:
             Booking(at, e.prompt_tokens + e.generated, at + e.max_tokens * per_token))
         return at - now
 
-    def _soonest(self, e: Entry, w: WorkerView, model: ModelState, now: float) -> float | None:
+    def _soonest(self, e: Entry, w: WorkerView, model: ModelState, now: float
+                 ) -> tuple[float, tuple[int, float] | None] | None:
+        """(When `e` could come back to `w` and be served in time, after the bookings there; `w`'s stream room for
+        it, planner.stream_room), or None if `w` has no TTFT target for it."""
         late = self.rules.lateness(e, w, model, now)
         if late is None:
             return None
@@ -91,7 +92,7 @@ class RetryHints:
                           + [b.until for b in booked])
             if len(ends) >= streams:  # room once all but streams - 1 of them have ended
                 at = max(at, ends[len(ends) - streams])
-        return at if math.isfinite(at) else None
+        return (at, room) if math.isfinite(at) else None
 
     @staticmethod
     def _prompt_rate(w: WorkerView) -> float:
