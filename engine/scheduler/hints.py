@@ -3,9 +3,10 @@
 A hint is the soonest moment a worker could serve the same request within its TTFT target, were it sent again
 then: once the prompt tokens the worker owes leave its first token in time, and once its streams leave room under
 the ITL target. A burst refused together must not be told one moment: sent again together, it met the same full
-worker and was refused again (the simulator's burst flood: none of 186 served when they came back as told). So each hint books what its request will take on the worker it was told about: its prompt, added to the
-prompt tokens the worker owes when it comes back, and a stream's room under the ITL target from then until it ends
-(its max_tokens at the target). A later hint on that worker comes after those booked, once the prompt tokens owed
+worker and was refused again (the simulator's burst flood: none of 186 served when they came back as told). So
+each hint books what its request will take on the worker it was told about: its prompt, added to the prompt tokens
+the worker owes when it comes back, and a stream's room under the ITL target from then until it ends (its
+max_tokens at the target). A later hint on that worker comes after those booked, once the prompt tokens owed
 then (what is owed now, computed at the rate the worker's step plan allows, plus the booked prompts) leave its first
 token in time, and once the streams running and booked leave it room. A booking is dropped when its moment comes:
 the request is back (and counted as what it then is) or is not coming.
