@@ -325,6 +325,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--openai-priority", action="store_true",
                    help="OpenAI targets: send priority 0 for interactive, 1 for bulk (needs --scheduling-policy priority)")
     g.add_argument("--connections", type=int, default=1, help="gRPC connections to spread requests over (default %(default)s)")
+    g.add_argument("--multiplex", action="store_true",
+                   help="tokenline targets: send each connection's streams on one GenerateMany call (one message per "
+                        "engine step for all of them) instead of a Generate call each")
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, default_duration: float = 30.0) -> None:

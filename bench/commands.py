@@ -124,7 +124,7 @@ def spec_from_args(args: argparse.Namespace):  # noqa: ANN201 - BenchSpec, impor
         duration_s=None if args.num_requests else args.duration_s, num_requests=args.num_requests,
         model=args.model, tokenizer=args.tokenizer or guess_tokenizer(args.target, args.api_key),
         send_text=args.send_text, warmup=args.warmup, max_lag_ms=args.max_lag_ms, drain_s=args.drain_s,
-        connections=args.connections, api_key=args.api_key, openai_priority=args.openai_priority,
+        connections=args.connections, multiplex=args.multiplex, api_key=args.api_key, openai_priority=args.openai_priority,
         max_input_tokens=args.max_input_len,
     )  # fmt: skip
 

@@ -41,6 +41,7 @@ class BenchSpec:
     max_lag_ms: float = 50.0
     drain_s: float = 120.0
     connections: int = 1
+    multiplex: bool = False  # tokenline: each connection's streams on one GenerateMany call
     api_key: str | None = None
     openai_priority: bool = False
     max_input_tokens: int | None = None  # prompt files: skip longer prompts
@@ -124,7 +125,8 @@ async def run_once(spec: BenchSpec, *, target: Target | None = None, label: str 
     own = target is None
     if target is None:
         target = make_target(spec.target, model=spec.model, api_key=spec.api_key,
-                             openai_priority=spec.openai_priority, connections=spec.connections)
+                             openai_priority=spec.openai_priority, connections=spec.connections,
+                             multiplex=spec.multiplex)
         await target.open()
     try:
         if spec.warmup:

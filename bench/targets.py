@@ -35,11 +35,14 @@ class Target(Protocol):
 
 
 def make_target(address: str, *, model: str = "", api_key: str | None = None, openai_priority: bool = False,
-                connections: int = 1) -> Target:
+                connections: int = 1, multiplex: bool = False) -> Target:
     """The target for an address: http(s):// is OpenAI-compatible, anything else tokenline gRPC."""
     if address.startswith(("http://", "https://")):
+        if multiplex:
+            raise ValueError("--multiplex is a tokenline gRPC call (GenerateMany); an OpenAI-compatible server has none")
         return OpenAITarget(address, model=model, api_key=api_key, send_priority=openai_priority)
-    return TokenlineTarget(address.removeprefix("tokenline://"), model=model, api_key=api_key, connections=connections)
+    return TokenlineTarget(address.removeprefix("tokenline://"), model=model, api_key=api_key, connections=connections,
+                           multiplex=multiplex)
 
 
 async def probe_model_folder(address: str, api_key: str | None = None, timeout_s: float = 5.0) -> str | None:
@@ -77,10 +80,13 @@ def _remaining(request: PlannedRequest, record: RequestRecord, t0: float) -> flo
 class TokenlineTarget:
     name = "tokenline"
 
-    def __init__(self, address: str, *, model: str = "", api_key: str | None = None, connections: int = 1):
+    def __init__(self, address: str, *, model: str = "", api_key: str | None = None, connections: int = 1,
+                 multiplex: bool = False):
         self.address, self.model, self.api_key = address, model, api_key
         self.connections = max(1, connections)
+        self.multiplex = multiplex  # each connection's streams on one GenerateMany call
         self._clients: list[Any] = []
+        self._muxes: list[Any] = []
         self._next = 0
 
     async def open(self) -> None:
@@ -98,8 +104,12 @@ class TokenlineTarget:
         except TokenlineError as e:
             await self.close()
             raise ConnectionError(f"cannot reach tokenline at {self.address}: {e}") from e
+        if self.multiplex:
+            self._muxes = [client.multiplex() for client in self._clients]
 
     async def close(self) -> None:
+        for mux in self._muxes:
+            await mux.aclose()
         for client in self._clients:
             await client.close()
 
@@ -110,7 +120,7 @@ class TokenlineTarget:
         if remaining is not None and remaining <= 0:
             record.status, record.end, record.error = TIMEOUT, time.monotonic() - t0, "deadline passed before sending"
             return
-        client = self._clients[self._next]
+        client = (self._muxes or self._clients)[self._next]
         self._next = (self._next + 1) % len(self._clients)
         stream = client.generate(
             request.prompt_text, token_ids=None if request.prompt_text is not None else request.prompt_ids,

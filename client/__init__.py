@@ -14,6 +14,7 @@ from ._channel import DEFAULT_TARGET, SERVICE_CONFIG, channel_options, service_c
 from ._convert import GenerateOptions
 from ._client import Client, DeltaStream
 from ._jobs import Job, JobChunk
+from ._multiplex import Multiplex, MultiplexedStream
 from ._timing import StreamTiming, itl_gaps, stream_timing
 from ._types import (Completion, Delta, ModelInfo, PositionLogprobs, ServerTimeline, TokenLogprob, ToolCall, ToolCallDelta,
                      Usage)
@@ -52,6 +53,8 @@ __all__ = [
     "Job",
     "JobChunk",
     "ModelInfo",
+    "Multiplex",
+    "MultiplexedStream",
     "PositionLogprobs",
     "TokenLogprob",
     "ToolCall",

@@ -22,6 +22,7 @@ from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 from ._channel import DEFAULT_TARGET, auth_metadata, channel_credentials, channel_options
 from ._client import MAX_REATTACH, prepare_call, reattach_backoff_s, resumed
 from ._convert import GenerateOptions, Message, completion_from_response, delta_from_chunk, model_from_proto, tokenize_request
+from ._multiplex import Multiplex
 from ._jobs import Job, JobChunk, chunk_from_proto, job_from_proto, list_request, submit_request
 from ._types import Completion, Delta, ModelInfo
 from .errors import NotFound, error_from_rpc
@@ -131,6 +132,12 @@ class AsyncClient:
             def restart(index: int, request_id: str) -> grpc.aio.UnaryStreamCall:
                 return self._stub.Generate(resumed(request, index, request_id), timeout=grpc_timeout, metadata=self._metadata)
         return AsyncDeltaStream(call, sent_at, restart)
+
+    def multiplex(self) -> Multiplex:
+        """A GenerateMany call for many streams at once (`async with client.multiplex() as streams`):
+        `streams.generate(...)` takes `generate`'s arguments; one message per engine step carries every
+        stream's chunks. See `tokenline.client.Multiplex`."""
+        return Multiplex(self._stub, self._metadata)
 
     async def complete(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
         """Generate and return the whole result at once. Arguments as for `Client.generate`."""

@@ -157,3 +157,12 @@ def _call_attr(error: grpc.RpcError, name: str):
     # A plain grpc.RpcError (not a grpc.Call) has none of these methods.
     method = getattr(error, name, None)
     return method() if callable(method) else None
+
+
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def error_from_status(code: int, details: str, retry_after_ms: int = 0) -> TokenlineError:
+    """The TokenlineError for a status given as its number (a GenerateMany stream's StreamError)."""
+    status = _STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    return _ERROR_BY_CODE.get(status, ServerError)(status, details, retry_after_ms / 1000.0 if retry_after_ms else None)

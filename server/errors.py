@@ -99,12 +99,12 @@ async def abort_with(context: grpc.aio.ServicerContext, err: ServingError) -> No
     md = trailing_metadata(err)
     if md:
         context.set_trailing_metadata(md)
-    await context.abort(err.code, _fit(err.message))
+    await context.abort(err.code, fit_message(err.message))
 
 
 MAX_MESSAGE_CHARS = 2000  # grpc-message is a header: clients refuse headers over 8-16 KiB by default
 
 
-def _fit(message: str) -> str:
+def fit_message(message: str) -> str:
     """The message as sent: whatever a caller's input made it, short enough for every client to read."""
     return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "… (message truncated)"

@@ -19,7 +19,7 @@ from tokenline.server import convert, responses, tools
 from tokenline.server.auth import DEFAULT_TENANT, Authenticator
 from tokenline.server.catalog import ServedModel
 from tokenline.server.errors import (DeadlineUnmeetable, InvalidRequest, Overloaded, RequestNotFound, ServingError,
-                                     Unavailable, abort_with)
+                                     Unavailable, abort_with, fit_message)
 from tokenline.server.idempotency import Attach, Idempotency, IdempotencyStore, Replay
 from tokenline.server.jobrpcs import JobRpcs
 from tokenline.server.runtime import RequestKey, RequestState, Runtime, fingerprint
@@ -60,8 +60,11 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
 
     # ---------------------------------------------------------------- RPCs
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        async with self._call(request, context) as call:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       alone: bool = False) -> AsyncIterator[pb.GenerateChunk]:
+        """`alone`: a stream of a GenerateMany call, which ends with a ServingError of its own instead of
+        ending the call with its status."""
+        async with self._call(request, context, alone) as call:
             out = self._tool_chunks(call)
             if call.replay is not None:
                 for chunk in responses.replay_chunks(call.replay.result, call.replay.token_text, request.resume_from_index):
@@ -80,6 +83,77 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             yield out(responses.final_chunk(state))
             state.timeline.last_byte = time.monotonic()
             call.outcome = _outcome(state)
+
+    async def GenerateMany(self, requests: AsyncIterator[pb.GenerateManyRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateManyResponse]:
+        """Many Generate streams on one call. Each stream runs `Generate` itself (every check, key and
+        path as a call of its own); what they yield is gathered, and one response carries all that is
+        ready: the streams woken by one step report append their chunks before this task runs again."""
+        box = _Outbox()
+        streams: dict[int, asyncio.Task] = {}
+
+        async def follow(number: int, request: pb.GenerateRequest) -> None:
+            try:
+                async for chunk in self.Generate(request, context, alone=True):
+                    box.chunks.append(pb.StreamChunk(stream=number, chunk=chunk))
+                    box.wake()
+            except ServingError as failed:
+                err: ServingError | None = failed
+            except Exception:  # a fault of ours: this stream fails, the call and its other streams go on
+                log.exception("stream %s of a GenerateMany call failed", number)
+                err = ServingError("the server failed while serving this stream; try again")
+            else:
+                err = None
+            finally:
+                if streams.get(number) is asyncio.current_task():
+                    del streams[number]
+            if err is not None:
+                retry_ms = max(int(err.retry_after_s * 1000), 1) if err.retry_after_s is not None else 0
+                box.errors.append(pb.StreamError(stream=number, code=err.code.value[0], message=fit_message(err.message),
+                                                 retry_after_ms=retry_ms))
+            else:
+                box.ended.append(number)
+            box.wake()
+
+        async def read() -> None:
+            try:
+                async for message in requests:
+                    convert.check_parsed(message, "GenerateManyRequest")
+                    if message.HasField("generate"):
+                        if message.leave:
+                            raise InvalidRequest(f"stream {message.stream}: set generate or leave, not both")
+                        if message.stream in streams:
+                            raise InvalidRequest(f"stream {message.stream} is already open on this call: number each "
+                                                 "stream uniquely until it has ended")
+                        streams[message.stream] = asyncio.create_task(follow(message.stream, message.generate))
+                    elif message.leave:
+                        task = streams.pop(message.stream, None)
+                        if task is not None:
+                            task.cancel()
+                    else:
+                        raise InvalidRequest(f"stream {message.stream}: a GenerateManyRequest sets generate or leave")
+            finally:
+                box.wake()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                    raise reader.exception()  # the caller broke the protocol: the call ends
+                if not box.empty():
+                    yield box.take()
+                elif reader.done() and not streams:
+                    break  # the caller half-closed and every stream has ended
+                else:
+                    box.ready.clear()
+                    await box.ready.wait()
+        except ServingError as err:
+            await abort_with(context, err)
+        finally:
+            reader.cancel()
+            for task in list(streams.values()):
+                task.cancel()
+            await asyncio.gather(reader, *streams.values(), return_exceptions=True)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         async with self._call(request, context) as call:
@@ -190,9 +264,11 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         return self.auth.tenant(tuple(context.invocation_metadata() or ()), common_name)
 
     @contextlib.asynccontextmanager
-    async def _call(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[_Call]:
+    async def _call(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                    alone: bool = False) -> AsyncIterator[_Call]:
         """What Generate and Complete share around their work: the caller's tenant, starting or
-        joining the run, errors as statuses, a caller who leaves, and telling telemetry how it went."""
+        joining the run, errors as statuses (or, `alone`, raised on: they end only this stream of a
+        GenerateMany call), a caller who leaves, and telling telemetry how it went."""
         received = time.monotonic()
         self.inflight += 1
         call: _Call | None = None
@@ -209,6 +285,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                 self.on_refused(request if request is not MALFORMED else pb.GenerateRequest(), err, tenant)
             for state, mailbox in call.samples if call is not None else ():  # one sample failed: the rest stop too
                 self.runtime.leave(state, mailbox)
+            if alone:
+                raise
             await abort_with(context, err)
         except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: the caller left while a chunk was pending
             outcome = "disconnected"
@@ -370,6 +448,27 @@ class _Call:
         return [(self.state, self.mailbox)] if self.state is not None else []
 
 
+class _Outbox:
+    """What a GenerateMany call has ready to send, and the event that wakes its sender."""
+
+    def __init__(self) -> None:
+        self.chunks: list[pb.StreamChunk] = []
+        self.errors: list[pb.StreamError] = []
+        self.ended: list[int] = []
+        self.ready = asyncio.Event()
+
+    def wake(self) -> None:
+        self.ready.set()
+
+    def empty(self) -> bool:
+        return not (self.chunks or self.errors or self.ended)
+
+    def take(self) -> pb.GenerateManyResponse:
+        response = pb.GenerateManyResponse(chunks=self.chunks, errors=self.errors, ended=self.ended)
+        self.chunks, self.errors, self.ended = [], [], []
+        return response
+
+
 MAX_FOLLOWERS_PER_RUN = 16  # streams following one keyed run, its own included
 MALFORMED = convert.MALFORMED  # what an RPC gets for bytes that did not parse (convert.parser)
 _parse = convert.parser
@@ -380,6 +479,9 @@ def add_to_server(servicer: TokenlineServicer, server: grpc.aio.Server) -> None:
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, request_deserializer=_parse(pb.GenerateRequest),
                                                          response_serializer=pb.GenerateChunk.SerializeToString),
+        "GenerateMany": grpc.stream_stream_rpc_method_handler(
+            servicer.GenerateMany, request_deserializer=_parse(pb.GenerateManyRequest),
+            response_serializer=pb.GenerateManyResponse.SerializeToString),
         "Complete": grpc.unary_unary_rpc_method_handler(servicer.Complete, request_deserializer=_parse(pb.GenerateRequest),
                                                         response_serializer=pb.CompleteResponse.SerializeToString),
         "Cancel": grpc.unary_unary_rpc_method_handler(servicer.Cancel, request_deserializer=_parse(pb.CancelRequest),
