@@ -182,6 +182,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--vllm-same-settings", action="store_true",
                      help="start vllm serve with tokenline's engine settings instead of its own defaults")
     cmp.add_argument("--tokenline-engine", choices=("vllm", "sim"), default="vllm", help="tokenline's engine (default %(default)s)")
+    cmp.add_argument("--multiplex", action="store_true",
+                     help="send tokenline's streams on one GenerateMany call (one message per engine step for all of "
+                          "them), as a gateway holding many streams would; vllm serve is sent its HTTP streams as ever")
     cmp.add_argument("--vllm-attention-kernel", default="vllm",
                      help="vllm serve's CPU attention kernel: vllm (its own choice, which on an AMX CPU answers wrongly "
                           "in vLLM 0.32.0 when run eagerly), auto (tokenline's policy) or a kernel name (default %(default)s)")

@@ -343,7 +343,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         mixed_load=args.mixed_load, interactive_share=args.interactive_share, slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, seed=args.seed, rounds=args.rounds, tokenline_engine=args.tokenline_engine,
         vllm_same_settings=args.vllm_same_settings, vllm_attention_kernel=args.vllm_attention_kernel,
-        skip=frozenset(s.strip() for s in args.skip.split(",") if s.strip()),
+        multiplex=args.multiplex, skip=frozenset(s.strip() for s in args.skip.split(",") if s.strip()),
     )  # fmt: skip
     folder = out_dir(args, "compare")
     run(compare(spec, folder, log=lambda line: print(line, flush=True)))

@@ -74,6 +74,7 @@ class CompareSpec:
     tokenline_engine: str = "vllm"
     vllm_same_settings: bool = False  # True: vllm serve gets tokenline's engine settings, not its own defaults
     vllm_attention_kernel: str = "vllm"  # vllm serve's CPU attention kernel: its own choice, or tokenline's policy ("auto")
+    multiplex: bool = False  # tokenline's streams on GenerateMany calls (one message per step for all of them)
 
     def __post_init__(self) -> None:
         unknown = set(self.skip) - set(STEPS)
@@ -111,7 +112,7 @@ class CompareSpec:
               duration_s: float | None = None, seed: int | None = None) -> BenchSpec:
         return BenchSpec(target=target, streams=streams, seed=self.seed if seed is None else seed, num_requests=num_requests,
                          duration_s=duration_s, tokenizer=self.settings.model, openai_priority=True,
-                         max_lag_ms=1000.0)
+                         max_lag_ms=1000.0, multiplex=self.multiplex and not target.startswith(("http://", "https://")))
 
 
 def ceiling_requests(spec: CompareSpec, round_: int = 0) -> dict[str, list[dict]]:
