@@ -187,7 +187,12 @@ class Multiplex:
         try:
             while True:
                 response = await call.read()
-                if response is grpc.aio.EOF:
+                if response is grpc.aio.EOF:  # the server ended the call: the next `generate` opens another
+                    if call is self._call:
+                        self._call = None
+                        for stream in list(self._streams.values()):
+                            stream._finish(Unavailable(grpc.StatusCode.UNAVAILABLE, "the server ended the call"))
+                        self._streams.clear()
                     return
                 now = time.monotonic()
                 streams = self._streams
