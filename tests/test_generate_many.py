@@ -224,6 +224,14 @@ def test_a_keyed_stream_left_mid_run_resumes_on_another_call_without_a_token_los
     assert rest[0].index == len(tokens_of(got))
     assert tokens_of(got) + tokens_of(rest) == list(whole.token_ids) and len(whole.token_ids) == 160
 
+    async def replayed():  # the run has ended: the key's stored result comes back as chunks, from any index
+        async with AsyncClient(tiny_server.address) as client, client.multiplex() as streams:
+            return await collect(streams.generate(**options, resume_from_index=100, request_id=whole.request_id))
+
+    tail = run(replayed())
+    assert tail[0].index == 100 and tokens_of(tail) == list(whole.token_ids)[100:]
+    assert tail[-1].finish_reason == "length"
+
 
 class _CuttableProxy:
     """A TCP forwarder whose connections can be cut: the client's call then breaks with UNAVAILABLE."""
@@ -281,3 +289,53 @@ def test_a_keyed_stream_re_attaches_by_itself_when_the_call_breaks(tiny_server):
     got, reattached, unkeyed_error, whole = run(scenario())
     assert reattached >= 1
     assert contiguous(got) and tokens_of(got) == list(whole.token_ids) and len(whole.token_ids) == 160
+
+
+@pytest.fixture(scope="module")
+def trained_server():
+    s = ServerProcess("--model", "tiny-trained", "--kv-cache-mb", "64", "--max-seqs", "16", "--max-model-len", "1024",
+                      "--log-level", "WARNING").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def judge():
+    from tokenline.engine.models import resolve_model
+    from tests.greedy import Float32Judge
+
+    return Float32Judge(resolve_model("tiny-trained"))
+
+
+@pytest_engine
+def test_streams_on_one_call_go_on_whole_and_greedy_across_a_worker_sigkill(trained_server, judge):
+    import os
+    import signal
+
+    from tests.test_failures import PROMPTS, TOKENS, assert_whole_and_greedy, worker_pids
+
+    prompts = [judge.encode(p) for p in PROMPTS[:8]]
+
+    async def scenario():
+        async with AsyncClient(trained_server.address) as client, client.multiplex() as streams:
+            started = [streams.generate(token_ids=p, max_tokens=TOKENS, temperature=0, ignore_eos=True) for p in prompts]
+            results = [[] for _ in started]
+            killed = False
+
+            async def read(i, stream):
+                nonlocal killed
+                async for d in stream:
+                    results[i].append(d)
+                    if not killed and len(tokens_of(results[i])) >= 20:
+                        killed = True
+                        for pid in worker_pids(trained_server):
+                            os.kill(pid, signal.SIGKILL)
+
+            await asyncio.gather(*(read(i, s) for i, s in enumerate(started)))
+            return results, killed
+
+    results, killed = run(scenario())
+    assert killed
+    for prompt_ids, deltas in zip(prompts, results):
+        assert_whole_and_greedy(judge, prompt_ids, deltas)
+    assert any(deltas[-1].attempt > 1 for deltas in results)  # the kill interrupted runs, which went on
