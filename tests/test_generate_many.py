@@ -19,6 +19,7 @@ from tokenline.client.errors import DeadlineExceeded, Overloaded, Unavailable, e
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
 from tests.support import ServerProcess
+from tests.test_failures import judge  # noqa: F401  (a fixture: the float32 reference of tiny-trained)
 from tests.test_request_surface import is_a_greedy_pick
 
 
@@ -297,14 +298,6 @@ def trained_server():
                       "--log-level", "WARNING").start()
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def judge():
-    from tokenline.engine.models import resolve_model
-    from tests.greedy import Float32Judge
-
-    return Float32Judge(resolve_model("tiny-trained"))
 
 
 @pytest_engine
