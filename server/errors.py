@@ -84,11 +84,16 @@ class JobsOff(ServingError):
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
+def retry_after_ms(err: ServingError) -> int:
+    """The retry hint in whole milliseconds, at least 1; 0 when there is none."""
+    return max(int(err.retry_after_s * 1000), 1) if err.retry_after_s is not None else 0
+
+
 def trailing_metadata(err: ServingError) -> tuple[tuple[str, str], ...]:
     """gRPC's retry pushback: how long the caller should wait before trying again."""
     if err.retry_after_s is None:
         return ()
-    return ((RETRY_PUSHBACK_KEY, str(max(int(err.retry_after_s * 1000), 1))),)
+    return ((RETRY_PUSHBACK_KEY, str(retry_after_ms(err))),)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, err: ServingError) -> None:

@@ -19,7 +19,7 @@ from tokenline.server import convert, responses, tools
 from tokenline.server.auth import DEFAULT_TENANT, Authenticator
 from tokenline.server.catalog import ServedModel
 from tokenline.server.errors import (DeadlineUnmeetable, InvalidRequest, Overloaded, RequestNotFound, ServingError,
-                                     Unavailable, abort_with, fit_message)
+                                     Unavailable, abort_with, fit_message, retry_after_ms)
 from tokenline.server.idempotency import Attach, Idempotency, IdempotencyStore, Replay
 from tokenline.server.jobrpcs import JobRpcs
 from tokenline.server.runtime import RequestKey, RequestState, Runtime, fingerprint
@@ -108,9 +108,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                 if streams.get(number) is asyncio.current_task():
                     del streams[number]
             if err is not None:
-                retry_ms = max(int(err.retry_after_s * 1000), 1) if err.retry_after_s is not None else 0
                 box.errors.append(pb.StreamError(stream=number, code=err.code.value[0], message=fit_message(err.message),
-                                                 retry_after_ms=retry_ms))
+                                                 retry_after_ms=retry_after_ms(err)))
             else:
                 box.ended.append(number)
             box.wake()
