@@ -9,12 +9,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenline.engine.scheduler.records import Entry
 from tokenline.engine.types import FinishReason, PositionLogprobs, Sampling, TrafficClass
 from tokenline.server.errors import ServingError
 from tokenline.server.timeline import Timeline
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, order=True)
 class RequestKey:
@@ -48,7 +52,18 @@ class Mailbox(asyncio.Queue):
     mailbox never uses (a size bound, the task_done/join count). One put and one get per token per
     caller are the frontend's per-token path (issue 38)."""
 
+    # Set by Runtime.events for a reader that takes chunks as they are emitted (a GenerateMany stream):
+    # each chunk goes to it at once, and only the end is queued (no task woken per chunk).
+    direct: Callable[[Chunk], None] | None = None
+
     def put_nowait(self, item: object) -> None:
+        if self.direct is not None and item is not _END:
+            try:
+                self.direct(item)  # type: ignore[arg-type]
+                return
+            except Exception:  # a fault of ours: the reader takes this chunk the ordinary way, and fails alone if it must
+                log.exception("handing a chunk straight to its reader failed")
+                self.direct = None
         self._queue.append(item)  # type: ignore[attr-defined]
         getters = self._getters  # type: ignore[attr-defined]
         while getters:

@@ -31,7 +31,7 @@ from tokenline.server.catalog import ModelLoad
 from tokenline.server.errors import (DeadlineUnmeetable, DuplicateRequest, InvalidRequest, ModelNotFound, Overloaded,
                                      Quarantined, ServingError, Unavailable)
 # What a request is, on the connection side; imported from here by the servicer, jobs, telemetry.
-from tokenline.server.request import _END, Chunk, RequestKey, RequestState, fingerprint  # noqa: F401
+from tokenline.server.request import _END, Chunk, Mailbox, RequestKey, RequestState, fingerprint  # noqa: F401
 
 log = logging.getLogger("tokenline.runtime")
 
@@ -225,33 +225,44 @@ class Runtime:
         self._finish(key, FinishReason.CANCELLED)
         return True
 
-    async def events(self, state: RequestState, mailbox: asyncio.Queue, from_index: int = 0):
-        """Chunks from token `from_index` on, as they come (coalesced when the reader falls behind), then the end."""
-        while True:
-            item = await mailbox.get()
-            if item is _END:
-                if state.error is not None:
-                    raise state.error
-                return
-            if item.index + len(item.token_ids) <= from_index:
-                continue  # a resumed stream already has these
-            if item.index < from_index:
-                item = state.chunk_from(from_index, item.index + len(item.token_ids))
-            if mailbox.empty():  # the usual case, one step's tokens: the chunk as it is (shared: never mutated)
-                yield item
-                continue
-            chunk = Chunk(item.index, list(item.token_ids), item.text, item.attempt,  # a copy, to append to
-                          list(item.logprobs) if item.logprobs is not None else None)
-            while not mailbox.empty():
-                nxt = mailbox.get_nowait()
-                if nxt is _END or nxt.attempt != chunk.attempt:
-                    mailbox._queue.appendleft(nxt)  # type: ignore[attr-defined]
-                    break
-                chunk.token_ids.extend(nxt.token_ids)
-                chunk.text += nxt.text
-                if chunk.logprobs is not None and nxt.logprobs is not None:
-                    chunk.logprobs.extend(nxt.logprobs)
-            yield chunk
+    async def events(self, state: RequestState, mailbox: asyncio.Queue, from_index: int = 0,
+                     direct: Callable[[Chunk], None] | None = None):
+        """Chunks from token `from_index` on, as they come (coalesced when the reader falls behind), then the end.
+
+        `direct`: once the chunks queued before are yielded, each later one is handed to `direct` as the step
+        report emits it, in order, and this yields no more (the end still comes here): a reader that gathers
+        many streams' chunks into one message wakes no task per chunk (GenerateMany, issue 38)."""
+        try:
+            while True:
+                if direct is not None and mailbox.empty() and isinstance(mailbox, Mailbox) and mailbox.direct is None:
+                    mailbox.direct = _from_index(state, from_index, direct)
+                item = await mailbox.get()
+                if item is _END:
+                    if state.error is not None:
+                        raise state.error
+                    return
+                if item.index + len(item.token_ids) <= from_index:
+                    continue  # a resumed stream already has these
+                if item.index < from_index:
+                    item = state.chunk_from(from_index, item.index + len(item.token_ids))
+                if mailbox.empty():  # the usual case, one step's tokens: the chunk as it is (shared: never mutated)
+                    yield item
+                    continue
+                chunk = Chunk(item.index, list(item.token_ids), item.text, item.attempt,  # a copy, to append to
+                              list(item.logprobs) if item.logprobs is not None else None)
+                while not mailbox.empty():
+                    nxt = mailbox.get_nowait()
+                    if nxt is _END or nxt.attempt != chunk.attempt:
+                        mailbox._queue.appendleft(nxt)  # type: ignore[attr-defined]
+                        break
+                    chunk.token_ids.extend(nxt.token_ids)
+                    chunk.text += nxt.text
+                    if chunk.logprobs is not None and nxt.logprobs is not None:
+                        chunk.logprobs.extend(nxt.logprobs)
+                yield chunk
+        finally:
+            if direct is not None and isinstance(mailbox, Mailbox):
+                mailbox.direct = None
 
     def leave(self, state: RequestState, mailbox: asyncio.Queue) -> None:
         """A caller went away: the run stops when nobody follows it any more.
@@ -410,6 +421,16 @@ class Runtime:
             self.scheduler.cancel(key)  # its actions are moot: every worker is told to shut down
             self._finish(key, None, Unavailable("the server shut down before the request finished"))
         await self.workers.close(timeout)
+
+
+def _from_index(state: RequestState, from_index: int, direct: Callable[[Chunk], None]) -> Callable[[Chunk], None]:
+    """`direct`, given only what a stream resumed at `from_index` does not have yet."""
+    def hand(item: Chunk) -> None:
+        end = item.index + len(item.token_ids)
+        if end <= from_index:
+            return
+        direct(item if item.index >= from_index else state.chunk_from(from_index, end))
+    return hand
 
 
 def _run_hooks(hooks: list[Callable], *args: object) -> None:

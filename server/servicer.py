@@ -22,7 +22,7 @@ from tokenline.server.errors import (DeadlineUnmeetable, InvalidRequest, Overloa
                                      Unavailable, abort_with, fit_message, retry_after_ms)
 from tokenline.server.idempotency import Attach, Idempotency, IdempotencyStore, Replay
 from tokenline.server.jobrpcs import JobRpcs
-from tokenline.server.runtime import RequestKey, RequestState, Runtime, fingerprint
+from tokenline.server.runtime import Chunk, RequestKey, RequestState, Runtime, fingerprint
 from tokenline.server.timeline import Timeline
 from tokenline.v1 import tokenline_pb2 as pb
 from tokenline.v1 import tokenline_pb2_grpc as pb_grpc
@@ -61,9 +61,12 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
     # ---------------------------------------------------------------- RPCs
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                       alone: bool = False) -> AsyncIterator[pb.GenerateChunk]:
+                       alone: bool = False, direct: Callable[[pb.GenerateChunk], None] | None = None,
+                       ) -> AsyncIterator[pb.GenerateChunk]:
         """`alone`: a stream of a GenerateMany call, which ends with a ServingError of its own instead of
-        ending the call with its status."""
+        ending the call with its status. `direct`: a plain run's chunks, once those queued before are
+        yielded, go to it as the step report makes them (Runtime.events); the end and its last chunk still
+        come from here."""
         async with self._call(request, context, alone) as call:
             out = self._tool_chunks(call)
             if call.replay is not None:
@@ -77,7 +80,10 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                 call.outcome = _outcome(call.state)
                 return
             state = call.state
-            async for chunk in self.runtime.events(state, call.mailbox, request.resume_from_index):
+            hand: Callable[[Chunk], None] | None = None
+            if direct is not None and (call.tools is None or not call.tools.parses):  # tools annotate chunks here
+                hand = lambda chunk: direct(responses.chunk_pb(state, chunk))  # noqa: E731
+            async for chunk in self.runtime.events(state, call.mailbox, request.resume_from_index, hand):
                 yield out(responses.chunk_pb(state, chunk))
             state.timeline.last_byte = time.monotonic()
             yield out(responses.final_chunk(state))
@@ -93,8 +99,15 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         streams: dict[int, asyncio.Task] = {}
 
         async def follow(number: int, request: pb.GenerateRequest) -> None:
+            me = asyncio.current_task()
+
+            def direct(chunk: pb.GenerateChunk) -> None:  # called from the step report, not this task
+                if streams.get(number) is me:  # not once the caller has left it (its number may be reused)
+                    box.chunks.append(pb.StreamChunk(stream=number, chunk=chunk))
+                    box.wake()
+
             try:
-                async for chunk in self.Generate(request, context, alone=True):
+                async for chunk in self.Generate(request, context, alone=True, direct=direct):
                     box.chunks.append(pb.StreamChunk(stream=number, chunk=chunk))
                     box.wake()
             except ServingError as failed:
