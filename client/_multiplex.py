@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 _END = object()
+# Actions gathered into one GenerateManyRequest: well under the server's default receive limit (4 MiB).
+MAX_REQUEST_BYTES = 1 << 20
 
 
 class MultiplexedStream:
@@ -128,7 +130,7 @@ class Multiplex:
             stream._timer = asyncio.get_running_loop().call_later(wire_timeout, self._expire, stream)
         if self._call is None:
             self._open_call()
-        self._send(pb.GenerateManyRequest(stream=stream.number, generate=request))
+        self._send(pb.StreamRequest(stream=stream.number, generate=request))
         return stream
 
     async def aclose(self) -> None:
@@ -158,17 +160,28 @@ class Multiplex:
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks += [loop.create_task(self._write(call, outgoing)), loop.create_task(self._read(call))]
 
-    def _send(self, message: pb.GenerateManyRequest) -> None:
+    def _send(self, message: pb.StreamRequest) -> None:
         assert self._outgoing is not None
         self._outgoing.put_nowait(message)
 
     @staticmethod
     async def _write(call: Any, outgoing: asyncio.Queue) -> None:
-        """One writer per call: grpc.aio takes one write at a time. A failed write ends it; the reader
-        sees the call's status and acts on it."""
+        """One writer per call: grpc.aio takes one write at a time, so what was queued while a write was
+        on its way goes in the next message together (up to MAX_REQUEST_BYTES; the server reads one message
+        per turn of its loop). A failed write ends it; the reader sees the call's status and acts on it."""
         try:
             while True:
-                await call.write(await outgoing.get())
+                actions = [await outgoing.get()]
+                size = actions[0].ByteSize()
+                while not outgoing.empty():
+                    nxt = outgoing.get_nowait()
+                    n = nxt.ByteSize()
+                    if size + n > MAX_REQUEST_BYTES:
+                        outgoing._queue.appendleft(nxt)  # type: ignore[attr-defined]  the next message's first
+                        break
+                    actions.append(nxt)
+                    size += n
+                await call.write(pb.GenerateManyRequest(streams=actions))
         except asyncio.CancelledError:
             return
         except Exception:  # noqa: BLE001  an RpcError, or grpc.aio's UsageError once the call has ended
@@ -176,7 +189,7 @@ class Multiplex:
 
     def _leave(self, stream: MultiplexedStream) -> None:
         if self._streams.pop(stream.number, None) is not None and not self._closed and self._call is not None:
-            self._send(pb.GenerateManyRequest(stream=stream.number, leave=True))
+            self._send(pb.StreamRequest(stream=stream.number, leave=True))
 
     def _expire(self, stream: MultiplexedStream) -> None:
         if not stream.done:
@@ -234,5 +247,5 @@ class Multiplex:
             if stream.done:
                 continue
             stream.reattached += 1
-            self._send(pb.GenerateManyRequest(stream=stream.number,
-                                              generate=resumed(stream.request, stream._next_index, stream._request_id)))
+            self._send(pb.StreamRequest(stream=stream.number,
+                                        generate=resumed(stream.request, stream._next_index, stream._request_id)))

@@ -52,6 +52,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         # Tokenizing and chat templating: blocking work, never on the event loop.
         self._request_work = ThreadPoolExecutor(request_work_threads, thread_name_prefix="tokenline-tokenize")
         self.inflight = 0
+        self.max_response_bytes = MAX_RESPONSE_BYTES  # a GenerateMany response larger than this is split
         self.attached: collections.Counter[str] = collections.Counter()  # streams attached to a run, per tenant
         runtime.on_finished.append(self.keys.finished)
         # Durable jobs (server/jobrpcs.py); its runner is set by the app when the server keeps a job store.
@@ -131,21 +132,25 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             try:
                 async for message in requests:
                     convert.check_parsed(message, "GenerateManyRequest")
-                    if message.HasField("generate"):
-                        if message.leave:
-                            raise InvalidRequest(f"stream {message.stream}: set generate or leave, not both")
-                        if message.stream in streams:
-                            raise InvalidRequest(f"stream {message.stream} is already open on this call: number each "
-                                                 "stream uniquely until it has ended")
-                        streams[message.stream] = asyncio.create_task(follow(message.stream, message.generate))
-                    elif message.leave:
-                        task = streams.pop(message.stream, None)
-                        if task is not None:
-                            task.cancel()
-                    else:
-                        raise InvalidRequest(f"stream {message.stream}: a GenerateManyRequest sets generate or leave")
+                    for action in message.streams:
+                        act(action)
             finally:
                 box.wake()
+
+        def act(action: pb.StreamRequest) -> None:
+            if action.HasField("generate"):
+                if action.leave:
+                    raise InvalidRequest(f"stream {action.stream}: set generate or leave, not both")
+                if action.stream in streams:
+                    raise InvalidRequest(f"stream {action.stream} is already open on this call: number each "
+                                         "stream uniquely until it has ended")
+                streams[action.stream] = asyncio.create_task(follow(action.stream, action.generate))
+            elif action.leave:
+                task = streams.pop(action.stream, None)
+                if task is not None:
+                    task.cancel()
+            else:
+                raise InvalidRequest(f"stream {action.stream}: a StreamRequest sets generate or leave")
 
         reader = asyncio.create_task(read())
         try:
@@ -153,7 +158,8 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                 if reader.done() and not reader.cancelled() and reader.exception() is not None:
                     raise reader.exception()  # the caller broke the protocol: the call ends
                 if not box.empty():
-                    yield box.take()
+                    for response in box.take(self.max_response_bytes):
+                        yield response
                 elif reader.done() and not streams:
                     break  # the caller half-closed and every stream has ended
                 else:
@@ -475,12 +481,30 @@ class _Outbox:
     def empty(self) -> bool:
         return not (self.chunks or self.errors or self.ended)
 
-    def take(self) -> pb.GenerateManyResponse:
+    def take(self, max_bytes: int) -> list[pb.GenerateManyResponse]:
+        """All that is ready, in one response, or in several in order when one would pass `max_bytes` (the
+        channel's message limit: chunks with logprobs for hundreds of streams can); a single chunk larger
+        than that goes alone, as a Generate call would send it."""
         response = pb.GenerateManyResponse(chunks=self.chunks, errors=self.errors, ended=self.ended)
-        self.chunks, self.errors, self.ended = [], [], []
-        return response
+        chunks, self.chunks, self.errors, self.ended = self.chunks, [], [], []
+        if len(chunks) < 2 or response.ByteSize() <= max_bytes:
+            return [response]
+        out, part, size = [], pb.GenerateManyResponse(), 0
+        for item in chunks:
+            n = item.ByteSize() + 8  # with its tag and length
+            if part.chunks and size + n > max_bytes:
+                out.append(part)
+                part, size = pb.GenerateManyResponse(), 0
+            part.chunks.append(item)
+            size += n
+        part.errors.extend(response.errors)  # ends and errors after the chunks, as the stream's order needs
+        part.ended.extend(response.ended)
+        out.append(part)
+        return out
 
 
+# Under every client's default receive limit (4 MiB), with room: a GenerateMany response is split above it.
+MAX_RESPONSE_BYTES = 1 << 20
 MAX_FOLLOWERS_PER_RUN = 16  # streams following one keyed run, its own included
 MALFORMED = convert.MALFORMED  # what an RPC gets for bytes that did not parse (convert.parser)
 _parse = convert.parser

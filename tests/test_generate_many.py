@@ -60,6 +60,11 @@ async def raw_call(address, messages):
         return responses, grpc.StatusCode.OK, ""
 
 
+def one(**action) -> pb.GenerateManyRequest:
+    """A message with one action (StreamRequest)."""
+    return pb.GenerateManyRequest(streams=[pb.StreamRequest(**action)])
+
+
 def generate(n, **sampling):
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),
                               sampling=pb.SamplingParams(max_tokens=n, ignore_eos=True, **sampling))
@@ -69,7 +74,7 @@ def generate(n, **sampling):
 
 
 def test_a_step_s_chunks_for_every_stream_travel_in_one_message(sim_server):
-    messages = [pb.GenerateManyRequest(stream=i, generate=generate(24)) for i in range(1, 9)]
+    messages = [one(stream=i, generate=generate(24)) for i in range(1, 9)]
     responses, code, _ = run(raw_call(sim_server.address, messages))
     assert code == grpc.StatusCode.OK
     chunks = [c for r in responses for c in r.chunks]
@@ -84,9 +89,9 @@ def test_a_step_s_chunks_for_every_stream_travel_in_one_message(sim_server):
 
 
 def test_a_stream_that_fails_fails_alone_with_its_generate_status(sim_server):
-    messages = [pb.GenerateManyRequest(stream=1, generate=generate(8)),
-                pb.GenerateManyRequest(stream=2, generate=generate(8, temperature=5.0)),
-                pb.GenerateManyRequest(stream=3, generate=generate(8))]
+    messages = [one(stream=1, generate=generate(8)),
+                one(stream=2, generate=generate(8, temperature=5.0)),
+                one(stream=3, generate=generate(8))]
     responses, code, _ = run(raw_call(sim_server.address, messages))
     assert code == grpc.StatusCode.OK
     (error,) = [e for r in responses for e in r.errors]
@@ -97,10 +102,10 @@ def test_a_stream_that_fails_fails_alone_with_its_generate_status(sim_server):
 
 
 @pytest.mark.parametrize("messages, says", [
-    ([pb.GenerateManyRequest(stream=4, generate=generate(200)), pb.GenerateManyRequest(stream=4, generate=generate(2))],
+    ([one(stream=4, generate=generate(200)), one(stream=4, generate=generate(2))],
      "already open"),
-    ([pb.GenerateManyRequest(stream=4)], "sets generate or leave"),
-    ([pb.GenerateManyRequest(stream=4, generate=generate(2), leave=True)], "not both"),
+    ([one(stream=4)], "sets generate or leave"),
+    ([one(stream=4, generate=generate(2), leave=True)], "not both"),
 ])
 def test_a_caller_that_breaks_the_protocol_gets_invalid_argument_for_the_call(sim_server, messages, says):
     _, code, details = run(raw_call(sim_server.address, messages))
@@ -115,6 +120,69 @@ def test_a_stream_error_becomes_the_client_error_a_generate_call_would_raise():
 
 def test_a_call_with_no_streams_ends_ok_once_the_caller_half_closes(sim_server):
     assert run(raw_call(sim_server.address, [])) == ([], grpc.StatusCode.OK, "")
+
+
+def test_one_message_may_start_many_streams_and_leave_one_and_an_empty_one_does_nothing(sim_server):
+    actions = [pb.StreamRequest(stream=i, generate=generate(6)) for i in range(1, 7)]
+    long = pb.StreamRequest(stream=7, generate=pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]), request_id="left-at-once",
+                                                                  sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)))
+    messages = [pb.GenerateManyRequest(streams=actions + [long, pb.StreamRequest(stream=7, leave=True)]),
+                pb.GenerateManyRequest()]
+    responses, code, _ = run(raw_call(sim_server.address, messages))
+    assert code == grpc.StatusCode.OK
+    assert sorted(n for r in responses for n in r.ended) == [1, 2, 3, 4, 5, 6]  # 7 was left: no end for it
+    for i in range(1, 7):
+        assert sum(len(c.chunk.token_ids) for r in responses for c in r.chunks if c.stream == i) == 6
+    assert not [e for r in responses for e in r.errors]
+
+
+def test_a_response_over_the_size_limit_goes_as_several_in_order_with_the_ends_last():
+    from tokenline.server.servicer import _Outbox
+
+    box = _Outbox()
+    for i in range(10):
+        box.chunks.append(pb.StreamChunk(stream=i % 3, chunk=pb.GenerateChunk(index=i // 3, text="x" * 100)))
+    box.ended.append(2)
+    box.errors.append(pb.StreamError(stream=1, code=8, message="m"))
+    parts = box.take(max_bytes=450)
+    assert len(parts) > 1 and all(p.ByteSize() <= 450 for p in parts)
+    assert [(c.stream, c.chunk.index) for p in parts for c in p.chunks] == [(i % 3, i // 3) for i in range(10)]
+    assert not any(p.ended or p.errors for p in parts[:-1]) and list(parts[-1].ended) == [2] and len(parts[-1].errors) == 1
+    assert box.empty()
+    box.chunks.append(pb.StreamChunk(stream=1, chunk=pb.GenerateChunk(text="y" * 1000)))  # larger than the limit alone
+    box.chunks.append(pb.StreamChunk(stream=2, chunk=pb.GenerateChunk(text="z")))
+    assert [len(p.chunks) for p in box.take(max_bytes=450)] == [1, 1]
+    box.chunks.append(pb.StreamChunk(stream=1, chunk=pb.GenerateChunk(text="small")))
+    assert [len(p.chunks) for p in box.take(max_bytes=450)] == [1]
+
+
+def test_the_client_sends_what_was_queued_during_a_write_in_one_message_under_the_size_limit(monkeypatch):
+    from tokenline.client import _multiplex
+
+    class Recorder:  # the call's write side: each write is a message on the wire
+        def __init__(self):
+            self.messages = []
+
+        async def write(self, message):
+            self.messages.append([a.stream for a in message.streams])
+            await asyncio.sleep(0.01)  # a write on its way, while more is queued
+
+    async def scenario(limit):
+        monkeypatch.setattr(_multiplex, "MAX_REQUEST_BYTES", limit)
+        call, queue = Recorder(), asyncio.Queue()
+        writer = asyncio.create_task(_multiplex.Multiplex._write(call, queue))
+        for i in range(1, 6):
+            queue.put_nowait(pb.StreamRequest(stream=i, generate=generate(8)))
+        await asyncio.sleep(0.005)  # the first write is on its way: these wait for the next
+        for i in range(6, 9):
+            queue.put_nowait(pb.StreamRequest(stream=i, leave=True))
+        await asyncio.sleep(0.1)
+        writer.cancel()
+        return call.messages
+
+    assert run(scenario(1 << 20)) == [[1, 2, 3, 4, 5], [6, 7, 8]]
+    two = 2 * pb.StreamRequest(stream=1, generate=generate(8)).ByteSize()
+    assert run(scenario(two)) == [[1, 2], [3, 4], [5, 6, 7, 8]]  # leaves are small: three fit beside a start
 
 
 def test_leaving_a_stream_stops_its_run_and_the_others_go_on(sim_server):
