@@ -36,7 +36,7 @@ class RequestKey:
         return json.dumps([self.tenant, self.request_id])
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """Tokens for the stream: index of the first one, ids and text."""
 

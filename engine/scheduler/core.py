@@ -169,24 +169,30 @@ class Scheduler:
                 transition(e, Status.FAILED)
                 self._forget(e)
                 result.rejected.append((e.key, reason))
+        # Once per sequence per step: the frontend's largest per-token loop, so written for speed (issue 38).
+        running, deliveries, recount = w.running, result.deliveries, self.preemption.recount_blocks
         for out in report.outputs:
-            e = w.running.get(out.key)
+            e = running.get(out.key)
             if e is None:
                 self.counters.stale_outputs += 1
                 continue
-            e.generated += len(out.new_token_ids)
-            e.tokens_this_run += len(out.new_token_ids)
-            if out.new_token_ids and e.first_token_at is None:
-                e.first_token_at = now
-            e.prefilled = e.prefilled or bool(out.new_token_ids)
-            e.est_finish = now + e.remaining * step
-            reason = (out.finish_reason or FinishReason.STOP) if out.finished else None
-            result.deliveries.append(Delivery(e.key, out.new_token_ids, out.text, reason, out.logprobs,
-                                              out.prompt_logprobs, out.cached_tokens))
+            ids = out.new_token_ids
+            if ids:
+                n = len(ids)
+                e.generated += n
+                e.tokens_this_run += n
+                if e.first_token_at is None:
+                    e.first_token_at = now
+                e.prefilled = True
+            e.est_finish = now + max(e.max_tokens - e.generated, 0) * step  # Entry.remaining
             if out.finished:
+                deliveries.append(Delivery(e.key, ids, out.text, out.finish_reason or FinishReason.STOP, out.logprobs,
+                                           out.prompt_logprobs, out.cached_tokens))
                 self._finish(e, now)
             else:
-                self.preemption.recount_blocks(e, w)
+                deliveries.append(Delivery(e.key, ids, out.text, None, out.logprobs, out.prompt_logprobs,
+                                           out.cached_tokens))
+                recount(e, w)
         result.actions = self.preemption.relieve_kv_pressure(w, now) + self._dispatch(w.spec.model, reporting=w.spec.worker_id)
         return result
 
@@ -382,7 +388,7 @@ class Scheduler:
         e.blocks = blocks_for(e, w.spec.block_size, self.config.kv_margin_tokens)
         w.reserved_blocks += e.blocks
         w.pace.woke_at = now if not w.running else w.pace.woke_at  # idle until now: no step period spans that
-        w.running[e.run_key] = e
+        w.start(e)
         batch = len(w.running)
         est = w.pace.estimator
         e.est_finish = now + est.first_token_s(batch, e.prompt_tokens) + max(e.remaining - 1, 0) * est.step_s(batch)
@@ -443,7 +449,7 @@ class Scheduler:
 
     def _release(self, e: Entry) -> None:
         w = self.workers.get(e.worker_id) if e.worker_id is not None else None
-        if w is not None and w.running.pop(e.run_key, None) is not None:
+        if w is not None and w.stop(e.run_key) is not None:
             w.reserved_blocks -= e.blocks
         e.worker_id, e.blocks = None, 0
 

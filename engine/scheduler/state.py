@@ -30,9 +30,26 @@ class WorkerView:
     plan: StepPlan = field(default_factory=StepPlan)  # the step plan last sent to it
     isolate_after_crashes: int = 2  # SchedulerConfig's: a suspect this often crashed runs alone
 
+    # Of `running`, the isolated suspects (crashed isolate_after_crashes times): kept by start() and stop(), as
+    # accepting() is asked several times an event and a count over every run was a cost per token (issue 38).
+    isolated_running: int = 0
+
+    def start(self, e: Entry) -> None:
+        """`e` runs here now."""
+        self.running[e.run_key] = e
+        if e.crashes >= self.isolate_after_crashes:
+            self.isolated_running += 1
+
+    def stop(self, run_key: str) -> Entry | None:
+        """The run no longer runs here; None if it did not."""
+        e = self.running.pop(run_key, None)
+        if e is not None and e.crashes >= self.isolate_after_crashes:
+            self.isolated_running -= 1
+        return e
+
     def accepting(self) -> bool:
         # An isolated suspect runs alone, so that a crash names it.
-        if any(e.crashes >= self.isolate_after_crashes for e in self.running.values()):
+        if self.isolated_running:
             return False
         return self.spec.continuous or not self.running
 
