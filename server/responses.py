@@ -46,13 +46,26 @@ def timeline_pb(t: Timeline, *, attempts: int, preemptions: int, model: str = ""
 
 
 def chunk_pb(state: RequestState, chunk: Chunk, *, request_id: str = "", sample_index: int = 0) -> pb.GenerateChunk:
-    msg = pb.GenerateChunk(request_id=request_id or state.request_id, attempt=chunk.attempt, index=chunk.index,
-                           token_ids=chunk.token_ids, text=chunk.text, sample_index=sample_index)
+    msg = pb.GenerateChunk()
+    fill_chunk(msg, state, chunk, request_id=request_id, sample_index=sample_index)
+    return msg
+
+
+def fill_chunk(msg: pb.GenerateChunk, state: RequestState, chunk: Chunk, *, request_id: str = "",
+               sample_index: int = 0) -> None:
+    """`chunk` written into an empty message: a new one (chunk_pb), or one already in place in a GenerateMany
+    response, which saves the copy into it (issue 38)."""
+    msg.request_id = request_id or state.request_id
+    msg.attempt = chunk.attempt
+    msg.index = chunk.index
+    msg.token_ids.extend(chunk.token_ids)
+    msg.text = chunk.text
+    if sample_index:
+        msg.sample_index = sample_index
     if chunk.logprobs:
         msg.logprobs.extend(logprobs_pb(chunk.logprobs))
     if chunk.index == 0 and state.prompt_logprobs:
         msg.prompt_logprobs.extend(logprobs_pb(state.prompt_logprobs))
-    return msg
 
 
 def logprobs_pb(positions: Sequence[PositionLogprobs]) -> list[pb.PositionLogprobs]:

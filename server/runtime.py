@@ -425,6 +425,9 @@ class Runtime:
 
 def _from_index(state: RequestState, from_index: int, direct: Callable[[Chunk], None]) -> Callable[[Chunk], None]:
     """`direct`, given only what a stream resumed at `from_index` does not have yet."""
+    if from_index == 0:
+        return direct
+
     def hand(item: Chunk) -> None:
         end = item.index + len(item.token_ids)
         if end <= from_index:

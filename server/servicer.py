@@ -62,12 +62,12 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
     # ---------------------------------------------------------------- RPCs
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                       alone: bool = False, direct: Callable[[pb.GenerateChunk], None] | None = None,
+                       alone: bool = False, direct: Callable[[], pb.GenerateChunk] | None = None,
                        ) -> AsyncIterator[pb.GenerateChunk]:
         """`alone`: a stream of a GenerateMany call, which ends with a ServingError of its own instead of
         ending the call with its status. `direct`: a plain run's chunks, once those queued before are
-        yielded, go to it as the step report makes them (Runtime.events); the end and its last chunk still
-        come from here."""
+        yielded, are written as the step report makes them (Runtime.events) into the empty message each call
+        of it gives; the end and its last chunk still come from here."""
         async with self._call(request, context, alone) as call:
             out = self._tool_chunks(call)
             if call.replay is not None:
@@ -83,7 +83,7 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             state = call.state
             hand: Callable[[Chunk], None] | None = None
             if direct is not None and (call.tools is None or not call.tools.parses):  # tools annotate chunks here
-                hand = lambda chunk: direct(responses.chunk_pb(state, chunk))  # noqa: E731
+                hand = lambda chunk: responses.fill_chunk(direct(), state, chunk)  # noqa: E731
             async for chunk in self.runtime.events(state, call.mailbox, request.resume_from_index, hand):
                 yield out(responses.chunk_pb(state, chunk))
             state.timeline.last_byte = time.monotonic()
@@ -102,15 +102,14 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
         async def follow(number: int, request: pb.GenerateRequest) -> None:
             me = asyncio.current_task()
 
-            def direct(chunk: pb.GenerateChunk) -> None:  # called from the step report, not this task
-                if streams.get(number) is me:  # not once the caller has left it (its number may be reused)
-                    box.chunks.append(pb.StreamChunk(stream=number, chunk=chunk))
-                    box.wake()
+            def direct() -> pb.GenerateChunk:  # called from the step report, not this task
+                if streams.get(number) is me:
+                    return box.chunk(number)
+                return pb.GenerateChunk()  # the caller has left this stream (its number may be in use again): dropped
 
             try:
                 async for chunk in self.Generate(request, context, alone=True, direct=direct):
-                    box.chunks.append(pb.StreamChunk(stream=number, chunk=chunk))
-                    box.wake()
+                    box.chunk(number).CopyFrom(chunk)
             except ServingError as failed:
                 err: ServingError | None = failed
             except Exception:  # a fault of ours: this stream fails, the call and its other streams go on
@@ -122,10 +121,10 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
                 if streams.get(number) is asyncio.current_task():
                     del streams[number]
             if err is not None:
-                box.errors.append(pb.StreamError(stream=number, code=err.code.value[0], message=fit_message(err.message),
-                                                 retry_after_ms=retry_after_ms(err)))
+                box.response.errors.add(stream=number, code=err.code.value[0], message=fit_message(err.message),
+                                        retry_after_ms=retry_after_ms(err))
             else:
-                box.ended.append(number)
+                box.response.ended.append(number)
             box.wake()
 
         async def read() -> None:
@@ -467,35 +466,39 @@ class _Call:
 
 
 class _Outbox:
-    """What a GenerateMany call has ready to send, and the event that wakes its sender."""
+    """What a GenerateMany call has ready to send, built in place in its next response, and the event that
+    wakes its sender."""
 
     def __init__(self) -> None:
-        self.chunks: list[pb.StreamChunk] = []
-        self.errors: list[pb.StreamError] = []
-        self.ended: list[int] = []
+        self.response = pb.GenerateManyResponse()
         self.ready = asyncio.Event()
+
+    def chunk(self, stream: int) -> pb.GenerateChunk:
+        """A new, empty chunk of `stream` in the next response, to write the chunk into."""
+        self.ready.set()
+        return self.response.chunks.add(stream=stream).chunk
 
     def wake(self) -> None:
         self.ready.set()
 
     def empty(self) -> bool:
-        return not (self.chunks or self.errors or self.ended)
+        r = self.response
+        return not (r.chunks or r.errors or r.ended)
 
     def take(self, max_bytes: int) -> list[pb.GenerateManyResponse]:
         """All that is ready, in one response, or in several in order when one would pass `max_bytes` (the
         channel's message limit: chunks with logprobs for hundreds of streams can); a single chunk larger
         than that goes alone, as a Generate call would send it."""
-        response = pb.GenerateManyResponse(chunks=self.chunks, errors=self.errors, ended=self.ended)
-        chunks, self.chunks, self.errors, self.ended = self.chunks, [], [], []
-        if len(chunks) < 2 or response.ByteSize() <= max_bytes:
+        response, self.response = self.response, pb.GenerateManyResponse()
+        if len(response.chunks) < 2 or response.ByteSize() <= max_bytes:
             return [response]
         out, part, size = [], pb.GenerateManyResponse(), 0
-        for item in chunks:
+        for item in response.chunks:
             n = item.ByteSize() + 8  # with its tag and length
             if part.chunks and size + n > max_bytes:
                 out.append(part)
                 part, size = pb.GenerateManyResponse(), 0
-            part.chunks.append(item)
+            part.chunks.add().CopyFrom(item)
             size += n
         part.errors.extend(response.errors)  # ends and errors after the chunks, as the stream's order needs
         part.ended.extend(response.ended)

@@ -141,18 +141,18 @@ def test_a_response_over_the_size_limit_goes_as_several_in_order_with_the_ends_l
 
     box = _Outbox()
     for i in range(10):
-        box.chunks.append(pb.StreamChunk(stream=i % 3, chunk=pb.GenerateChunk(index=i // 3, text="x" * 100)))
-    box.ended.append(2)
-    box.errors.append(pb.StreamError(stream=1, code=8, message="m"))
+        box.chunk(i % 3).MergeFrom(pb.GenerateChunk(index=i // 3, text="x" * 100))
+    box.response.ended.append(2)
+    box.response.errors.add(stream=1, code=8, message="m")
     parts = box.take(max_bytes=450)
     assert len(parts) > 1 and all(p.ByteSize() <= 450 for p in parts)
     assert [(c.stream, c.chunk.index) for p in parts for c in p.chunks] == [(i % 3, i // 3) for i in range(10)]
     assert not any(p.ended or p.errors for p in parts[:-1]) and list(parts[-1].ended) == [2] and len(parts[-1].errors) == 1
     assert box.empty()
-    box.chunks.append(pb.StreamChunk(stream=1, chunk=pb.GenerateChunk(text="y" * 1000)))  # larger than the limit alone
-    box.chunks.append(pb.StreamChunk(stream=2, chunk=pb.GenerateChunk(text="z")))
+    box.chunk(1).text = "y" * 1000  # larger than the limit alone
+    box.chunk(2).text = "z"
     assert [len(p.chunks) for p in box.take(max_bytes=450)] == [1, 1]
-    box.chunks.append(pb.StreamChunk(stream=1, chunk=pb.GenerateChunk(text="small")))
+    box.chunk(1).text = "small"
     assert [len(p.chunks) for p in box.take(max_bytes=450)] == [1]
 
 

@@ -174,3 +174,4 @@ def test_a_direct_reader_that_fails_on_a_chunk_gets_it_the_ordinary_way_and_noth
 
     handed, read = asyncio.run(scenario())
     assert sorted(handed + read) == [0, 1, 2] and 1 in read
+
