@@ -15,19 +15,19 @@ _PREFILL_SCALE = 100.0
 
 
 def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solve a 3×3 linear system by Gaussian elimination with partial pivoting."""
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-12:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(3):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                for k in range(col, 4):
-                    a[r][k] -= f * a[col][k]
-    return [a[i][3] / a[i][i] for i in range(3)]
+    """Solve a 3×3 linear system (Cramer's rule, written out: it runs once or twice per step report, and the
+    systems are the ridge-regularised normal equations, far from singular); None when it is singular."""
+    (a, b, c), (d, e, f), (g, h, i) = m
+    x, y, z = v
+    ei_fh, di_fg, dh_eg = e * i - f * h, d * i - f * g, d * h - e * g
+    det = a * ei_fh - b * di_fg + c * dh_eg
+    scale = max(abs(a), abs(b), abs(c), abs(d), abs(e), abs(f), abs(g), abs(h), abs(i))
+    if det == 0.0 or abs(det) < 1e-12 * scale ** 3:
+        return None
+    yi_fz, dz_yg = y * i - f * z, d * z - y * g
+    return [(x * ei_fh - b * yi_fz + c * (y * h - e * z)) / det,
+            (a * yi_fz - x * di_fg + c * dz_yg) / det,
+            (a * (e * z - y * h) - b * dz_yg + x * dh_eg) / det]
 
 
 def _solve_nonnegative(m: list[list[float]], v: list[float]) -> list[float] | None:
