@@ -328,8 +328,11 @@ class TokenlineServicer(pb_grpc.TokenlineServicer):
             raise Unavailable("the server is draining for shutdown; retry on another instance")
         checked = convert.check(request, self.models, self.default_model, self.limits)  # cheap: sizes first
         key = convert.idempotency_key(request)
-        loop = asyncio.get_running_loop()
-        valid = await loop.run_in_executor(self._request_work, convert.tokenize, checked, self.limits)
+        if convert.quick(checked):
+            valid = convert.tokenize(checked, self.limits)
+        else:
+            valid = await asyncio.get_running_loop().run_in_executor(self._request_work, convert.tokenize, checked,
+                                                                     self.limits)
         tooled = {"tools": checked.tools, "model": checked.model.name}
         if valid.n > 1:
             if key:
