@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from tokenline.engine.scheduler.composition import (MIN_PREFILL_CHUNK, WorkerLoad, bulk_rate_beside, compose_step,
-                                                    longest_step, stream_allowance)
+                                                    longest_step)
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.records import Entry
 from tokenline.engine.scheduler.state import ModelState, WorkerView
@@ -54,21 +54,33 @@ class StepPlanner:
         really take. The budget, in the line's seconds, is capped as each allowance is in real ones
         (composition.longest_step), so no plan predicts a step nearer the target than that."""
         pace = w.pace
-        allowances, targets = [], []
         ahead = 1 if w.spec.runs_ahead else 0
         under_way = pace.under_way_step_s or pace.cadence.step_s(len(w.running))
+        # Once per plan over every interactive stream: stream_allowance and itl_target([e]) written out (issue 38).
+        set_point, before, last_report = self.config.itl_set_point, ahead * pace.step_ratio * under_way, pace.last_report_at
+        class_target = self.config.interactive.itl_target_for(single_step_s)
+        floor = self.config.min_itl_target_steps * single_step_s
+        lowest = tightest = math.inf
         for e in interactive:
-            target = self.itl_target([e], single_step_s)
-            if target is None:
-                continue
-            gaps = e.tokens_this_run - 1 if e.first_token_at is not None else None
-            elapsed = max(pace.last_report_at - e.first_token_at, 0.0) if e.first_token_at is not None else 0.0
-            allowances.append(stream_allowance(target, self.config.itl_set_point, gaps, elapsed,
-                                               ahead * pace.step_ratio * under_way, ahead))
-            targets.append(target)
-        if not allowances:
+            own = e.itl_target_s
+            if own is None:
+                if class_target is None:
+                    continue
+                target = class_target
+            else:
+                target = max(own, floor) if class_target is None else min(class_target, max(own, floor))
+            if e.first_token_at is None:  # stream_allowance with no gaps yet
+                allowed = set_point * target
+            else:
+                allowed = min(set_point * target * (e.tokens_this_run + ahead) - max(last_report - e.first_token_at, 0.0)
+                              - before, 0.5 * (1.0 + set_point) * target)  # longest_step
+            if allowed < lowest:
+                lowest = allowed
+            if target < tightest:
+                tightest = target
+        if tightest == math.inf:
             return None
-        return min(min(allowances) / pace.step_ratio, longest_step(min(targets), self.config.itl_set_point))
+        return min(lowest / pace.step_ratio, longest_step(tightest, self.config.itl_set_point))
 
     def ttft_target(self, w: WorkerView, model: ModelState) -> float | None:
         """The interactive class's TTFT target on this worker: as given, or a multiple of what the worker, idle,
