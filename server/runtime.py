@@ -72,6 +72,7 @@ class Runtime:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._closing = False
+        self._dispatch_due: set[str] = set()  # models with submissions that await their dispatch (submit)
         self.closed_models: set[str] = set()  # versions rolled out of service: new requests for them are refused
         # LoRA adapters unloaded from their workers, as (model name, id): a request resolved before the unload and
         # submitted after it is refused, never loaded back into a slot the admin service counts as free.
@@ -211,11 +212,23 @@ class Runtime:
         elif until is not None:
             raise Quarantined(f"this request (same model, prompt and sampling) crashed workers repeatedly and is refused for another {until - now:.0f} s")
         state.timeline.enqueued = now
-        actions = self.scheduler.submit(state.entry)
+        actions = self.scheduler.submit(state.entry, dispatch=False)
         if actions and isinstance(actions[0], Refuse) and actions[0].key == state.key:  # duplicates, queues, deadlines
             raise _refusal_error(actions[0], state)
         self.requests[state.key] = state
         self._handle(actions)
+        # One dispatch (admit, plan) for all the submissions of a turn of the loop, not one each: a GenerateMany
+        # message that starts a hundred streams, or a burst of calls, costs one step plan, not a hundred (issue 38).
+        if not self._dispatch_due:
+            self.loop.call_soon(self._dispatch_submitted)
+        self._dispatch_due.add(state.entry.model)
+
+    def _dispatch_submitted(self) -> None:
+        models, self._dispatch_due = self._dispatch_due, set()
+        if self._closing:
+            return
+        for model in models:
+            self._handle(self.scheduler.dispatch(model))
 
     def cancel(self, key: RequestKey) -> bool:
         state = self.requests.get(key)

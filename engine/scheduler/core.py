@@ -110,8 +110,9 @@ class Scheduler:
             return []
         return self.crashes.worker_lost(w, self.clock()) + self._dispatch(w.spec.model)
 
-    def submit(self, entry: Entry) -> list[Action]:
-        """A new request: refuse it now, or queue it (and maybe dispatch it)."""
+    def submit(self, entry: Entry, *, dispatch: bool = True) -> list[Action]:
+        """A new request: refuse it now, or queue it (and maybe dispatch it). `dispatch=False`: only queue it
+        (the actions are its refusal or none); the caller calls `dispatch` soon, once for many submissions."""
         now = self.clock()
         entry.arrival = now
         refusal = self.admission.check(entry, now)
@@ -128,7 +129,13 @@ class Scheduler:
             self.models[entry.model].saw_interactive_prompt(entry.prompt_tokens)
         else:  # what its prompt costs per token it may make, until it finishes and says what it made
             self.models[entry.model].saw_bulk(entry.prompt_tokens, entry.max_tokens)
+        if not dispatch:
+            return []
         return self._dispatch(entry.model, now)  # one clock reading: admitted at once means zero wait
+
+    def dispatch(self, model_name: str) -> list[Action]:
+        """The decision every event makes (expire, admit, plan), for submissions queued with dispatch=False."""
+        return self._dispatch(model_name) if model_name in self.models else []
 
     def cancel(self, key: str) -> list[Action]:
         e = self.entries.get(key)
