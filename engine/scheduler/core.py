@@ -166,7 +166,7 @@ class Scheduler:
         now = self.clock()
         self._learn(w, report, now)
         step = w.pace.estimator.step_s(max(len(w.running), 1))
-        result.interactive = sum(e.cls == TrafficClass.INTERACTIVE for e in w.running.values())
+        result.interactive = w.interactive_running
         result.plan = w.plan
         result.started = [w.running[k].key for k in report.first_scheduled if k in w.running]
         for run_key, reason in report.rejected.items():

@@ -133,7 +133,7 @@ class StepPlanner:
     def _streams_keep(self, streams: int, target: float, w: WorkerView, model: ModelState) -> bool:
         """Do `streams` interactive streams on `w` (and the bulk that never starves) keep steps within `target` at
         the ITL set point, and leave bulk its throughput goal?"""
-        bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
+        bulk = w.bulk_running
         a, b, c = w.pace.line(len(w.running))
         planned = self.config.itl_set_point * target
         goal = self.bulk_goal_per_worker(model)
@@ -205,12 +205,16 @@ class StepPlanner:
         that, a newcomer waits in the queue for one to end (its TTFT pays, not the running streams'
         ITL, nor bulk's goal); the first is always let in, and one that has waited as long as its TTFT target
         allows (`admits_late`, given `now`), unless late requests are refused (config.late_interactive)."""
-        interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]  # this round's admissions too
-        if not interactive:
+        streams = w.interactive_running  # this round's admissions too
+        if not streams:
             return True
-        target = self.itl_target(interactive + [e], w.pace.single())
+        if w.own_itl_targets:  # the tightest of their own targets counts too
+            interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]
+            target = self.itl_target(interactive + [e], w.pace.single())
+        else:  # asked per candidate of every admission round: no pass over the running streams
+            target = self.itl_target([e], w.pace.single())
         if target is None:
             return True
-        keeps = self._streams_keep(len(interactive) + 1, target, w, model)
+        keeps = self._streams_keep(streams + 1, target, w, model)
         late_admitted = self.config.late_interactive == "admit" and now is not None
         return keeps or (late_admitted and self.admits_late(e, w, model, now))

@@ -99,8 +99,7 @@ class DispatchRules:
         if not model.queues[TrafficClass.BULK]:
             return 0
         floor = self.bulk_floor_seqs(w)
-        bulk_running = sum(1 for e in w.running.values() if e.cls == TrafficClass.BULK)
-        return max(floor - bulk_running, 0)
+        return max(floor - w.bulk_running, 0)
 
     def late_refused(self, e: Entry) -> bool:
         """Is `e` refused rather than served late (config.late_interactive)? Only on its first attempt with nothing

@@ -33,19 +33,34 @@ class WorkerView:
     # Of `running`, the isolated suspects (crashed isolate_after_crashes times): kept by start() and stop(), as
     # accepting() is asked several times an event and a count over every run was a cost per token (issue 38).
     isolated_running: int = 0
+    # Of `running`, the interactive streams, and those of them with an ITL target of their own: counted as
+    # they start and stop, as admission asks per candidate (rules.can_take) and bulk is the rest.
+    interactive_running: int = 0
+    own_itl_targets: int = 0
 
     def start(self, e: Entry) -> None:
         """`e` runs here now."""
         self.running[e.run_key] = e
-        if e.crashes >= self.isolate_after_crashes:
-            self.isolated_running += 1
+        self._count(e, 1)
 
     def stop(self, run_key: str) -> Entry | None:
         """The run no longer runs here; None if it did not."""
         e = self.running.pop(run_key, None)
-        if e is not None and e.crashes >= self.isolate_after_crashes:
-            self.isolated_running -= 1
+        if e is not None:
+            self._count(e, -1)
         return e
+
+    def _count(self, e: Entry, n: int) -> None:
+        if e.crashes >= self.isolate_after_crashes:
+            self.isolated_running += n
+        if e.cls == TrafficClass.INTERACTIVE:
+            self.interactive_running += n
+            if e.itl_target_s is not None:
+                self.own_itl_targets += n
+
+    @property
+    def bulk_running(self) -> int:
+        return len(self.running) - self.interactive_running
 
     def accepting(self) -> bool:
         # An isolated suspect runs alone, so that a crash names it.
@@ -64,8 +79,7 @@ class WorkerView:
         """Slots bulk may not take: the worker's interactive slots not used by interactive streams."""
         if not self.spec.interactive_slots:
             return 0
-        streams = sum(1 for e in self.running.values() if e.cls == TrafficClass.INTERACTIVE)
-        return max(self.spec.interactive_slots - streams, 0)
+        return max(self.spec.interactive_slots - self.interactive_running, 0)
 
 
 @dataclass
