@@ -177,7 +177,8 @@ class Scheduler:
                 self._forget(e)
                 result.rejected.append((e.key, reason))
         # Once per sequence per step: the frontend's largest per-token loop, so written for speed (issue 38).
-        running, deliveries, recount = w.running, result.deliveries, self.preemption.recount_blocks
+        running, deliveries = w.running, result.deliveries
+        block_size, margin = w.spec.block_size, self.config.kv_margin_tokens
         for out in report.outputs:
             e = running.get(out.key)
             if e is None:
@@ -199,7 +200,12 @@ class Scheduler:
             else:
                 deliveries.append(Delivery(e.key, ids, out.text, None, out.logprobs, out.prompt_logprobs,
                                            out.cached_tokens))
-                recount(e, w)
+                # It grew: its reservation follows what it holds now, plus the margin (budget.blocks_for, written out).
+                tokens = min(e.prompt_tokens + e.generated + margin, e.prompt_tokens + e.max_tokens)
+                blocks = -(-tokens // block_size)
+                if blocks != e.blocks:
+                    w.reserved_blocks += blocks - e.blocks
+                    e.blocks = blocks
         result.actions = self.preemption.relieve_kv_pressure(w, now) + self._dispatch(w.spec.model, reporting=w.spec.worker_id)
         return result
 

@@ -1,8 +1,8 @@
-"""Preemption: when running bulk gives way, and what a run's KV reservation is as it grows.
+"""Preemption: when running bulk gives way.
 
 Two reasons stop a bulk run. Interactive work whose dispatch rule fired fits on no worker: the newest bulk
 runs beyond bulk's floor make room for it, if that is enough (`for_interactive`). Sequences grew past a
-worker's KV (`recount_blocks` follows each report): bulk is stopped, newest first, until the rest fits,
+worker's KV (Scheduler.on_step recounts each run's blocks per report): bulk is stopped, newest first, until the rest fits,
 never an interactive stream nor a run whose deadline promise a restart could break (`relieve_kv_pressure`).
 A preempted run goes back to the front of its queue with its arrival time and the tokens it produced, and
 later continues from them; a run preempted `max_preemptions` times keeps its place, so bulk progresses.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenline.engine.scheduler.budget import blocks_for
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.planner import StepPlanner
 from tokenline.engine.scheduler.records import Abort, Action, Counters, Entry
@@ -71,12 +70,6 @@ class Preemption:
                 continue
             return [self.preempt(v, now) for v in chosen]
         return []
-
-    def recount_blocks(self, e: Entry, w: WorkerView) -> None:
-        """A sequence grew: its reservation follows what it holds now (plus the margin)."""
-        blocks = blocks_for(e, w.spec.block_size, self.config.kv_margin_tokens)
-        w.reserved_blocks += blocks - e.blocks
-        e.blocks = blocks
 
     def relieve_kv_pressure(self, w: WorkerView, now: float) -> list[Action]:
         """Sequences grew past the worker's KV: preempt bulk, newest first, until the rest fits.
