@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Callable
 
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.records import Delivery, StepResult
@@ -60,16 +61,25 @@ async def measure(streams: int, reports: int) -> tuple[float, int]:
     readers = [asyncio.create_task(read(st, st.subscribe())) for st in states]
     await asyncio.sleep(0)
     report = StepReport(0, 0, 0.005, streams, 0, 100, streams, 0)
+    cpu = await _timed(runtime, reports, lambda: report, readers)
+    return (cpu * 1e6 / tokens if tokens else float("nan")), tokens
+
+
+async def _timed(runtime: Runtime, reports: int, report: Callable[[], StepReport], readers: list[asyncio.Task],
+                 after: Callable[[], None] = lambda: None) -> float:
+    """CPU seconds of `reports` step reports through the runtime, each read by the readers before the next;
+    then the readers are stopped."""
     cpu0 = time.process_time()
     for _ in range(reports):
-        runtime._step_reported(report)
+        runtime._step_reported(report())
+        after()
         await asyncio.sleep(0)  # each reader wakes and takes its chunk
         await asyncio.sleep(0)
     cpu = time.process_time() - cpu0
     for task in readers:
         task.cancel()
     await asyncio.gather(*readers, return_exceptions=True)
-    return (cpu * 1e6 / tokens if tokens else float("nan")), tokens
+    return cpu
 
 
 async def measure_scheduled(streams: int, reports: int, *, direct: bool) -> tuple[float, int]:
@@ -128,18 +138,13 @@ async def measure_scheduled(streams: int, reports: int, *, direct: bool) -> tupl
     assert len(running) == streams, f"{len(running)} of {streams} admitted"
     runtime._step_reported(StepReport(0, seq, 0.005, streams, 3 * streams, 1 << 19, streams, 0, first_scheduled=running))
     await asyncio.sleep(0)
-    cpu0 = time.process_time()
-    for _ in range(reports):
-        runtime._step_reported(StepReport(0, seq, 0.005, streams, 0, 1 << 19, streams, 0,
-                                          outputs=[SeqOutput(key, [7], "x") for key in running]))
+
+    def sent_on() -> None:  # the worker's messages and one response's chunks, sent
         sent.clear()
-        box.clear()  # one response's chunks, sent
-        await asyncio.sleep(0)  # each reader wakes and takes its chunk
-        await asyncio.sleep(0)
-    cpu = time.process_time() - cpu0
-    for task in readers:
-        task.cancel()
-    await asyncio.gather(*readers, return_exceptions=True)
+        box.clear()
+
+    cpu = await _timed(runtime, reports, lambda: StepReport(0, seq, 0.005, streams, 0, 1 << 19, streams, 0, outputs=[
+        SeqOutput(key, [7], "x") for key in running]), readers, sent_on)
     return (cpu * 1e6 / tokens if tokens else float("nan")), tokens
 
 
