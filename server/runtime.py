@@ -206,7 +206,7 @@ class Runtime:
             raise Unavailable(f"model version {state.entry.model} was rolled out of service and is finishing its "
                               "streams; name the model without a version for the current one")
         now = time.monotonic()
-        until = self._quarantined.get(state.fingerprint)
+        until = self._quarantined.get(state.fingerprint) if self._quarantined else None  # a hash of the prompt: only when needed
         if until is not None and until <= now:
             del self._quarantined[state.fingerprint]
         elif until is not None:
