@@ -55,12 +55,14 @@ def test_a_job_refused_by_its_tenants_quota_waits_and_then_runs_once(tmp_path):
 
 
 def test_an_interactive_job_refused_as_late_waits_and_then_runs_once(tmp_path):
-    """`--late-interactive refuse`: an ITL target of one single step leaves no room beside a running stream, so an
-    interactive job queued behind it is refused once its TTFT target is out of reach. Like a refusal at submission,
-    that is a wait, never a failed attempt: it runs once the stream has gone."""
+    """`--late-interactive refuse`: an ITL target below the simulated engine's fixed step leaves no room beside a
+    running stream (the first is always let in), so an interactive job queued behind it is refused once its TTFT
+    target is out of reach. Like a refusal at submission, that is a wait, never a failed attempt: it runs once the
+    stream has gone. (A target in single steps made "no room" hang on the measured single step: a busy box that
+    stretched one batch-1 step made room, and the job ran instead of waiting.)"""
     server = ServerProcess("--engine", "sim", "--model", "tiny", "--sim-step-ms", "20", "--job-store",
                            str(tmp_path / "jobs.sqlite3"), "--idempotency-db", "off", "--late-interactive", "refuse",
-                           "--interactive-itl-target-steps", "1", "--interactive-ttft-target-ms", "300").start()
+                           "--interactive-itl-target-ms", "15", "--interactive-ttft-target-ms", "300").start()
     try:
         with Client(server.address) as client:
             stream = client.generate("takes the only room", max_tokens=1500, ignore_eos=True)
