@@ -212,9 +212,11 @@ class Runtime:
         elif until is not None:
             raise Quarantined(f"this request (same model, prompt and sampling) crashed workers repeatedly and is refused for another {until - now:.0f} s")
         state.timeline.enqueued = now
-        actions = self.scheduler.submit(state.entry, dispatch=False)
-        if actions and isinstance(actions[0], Refuse) and actions[0].key == state.key:  # duplicates, queues, deadlines
-            raise _refusal_error(actions[0], state)
+        actions = self.scheduler.submit(state.entry, dispatch=False)  # its refusal, and what was decided before it
+        refused = next((a for a in actions if isinstance(a, Refuse) and a.key == state.key), None)
+        if refused is not None:  # duplicates, queues, deadlines
+            self._handle([a for a in actions if a is not refused])
+            raise _refusal_error(refused, state)
         self.requests[state.key] = state
         self._handle(actions)
         # One dispatch (admit, plan) for all the submissions of a turn of the loop, not one each: a GenerateMany

@@ -116,9 +116,16 @@ class Scheduler:
         now = self.clock()
         entry.arrival = now
         refusal = self.admission.check(entry, now)
+        decided: list[Action] = []
+        model = self.models.get(entry.model)
+        if refusal is not None and not dispatch and model is not None and any(model.queues.values()):
+            # Requests queued earlier without a decision yet (dispatch=False) may be admitted now and leave room (a
+            # full queue): decide them first, as their own submit would have, and ask again.
+            decided = self._dispatch(entry.model, now)
+            refusal = self.admission.check(entry, now)
         if refusal is not None:
             transition(entry, Status.REFUSED)
-            return [refusal]
+            return decided + [refusal]
         self.entries[entry.key] = entry
         self._tenant_inflight[entry.tenant] += 1
         self._tenant_model_inflight[entry.tenant, model_name(entry.model)] += 1
@@ -130,7 +137,7 @@ class Scheduler:
         else:  # what its prompt costs per token it may make, until it finishes and says what it made
             self.models[entry.model].saw_bulk(entry.prompt_tokens, entry.max_tokens)
         if not dispatch:
-            return []
+            return decided
         return self._dispatch(entry.model, now)  # one clock reading: admitted at once means zero wait
 
     def dispatch(self, model_name: str) -> list[Action]:
