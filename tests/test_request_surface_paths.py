@@ -150,7 +150,11 @@ def _compile_grammars(address: str) -> None:
 
 
 def test_each_feature_continues_as_if_uninterrupted_after_its_worker_is_sigkilled_mid_output(crash_server):
-    cases = [c for c in CASES for _ in range(2)]
+    # Every stream is checked whole and right against its case's promise. The kill comes once every stream has 8
+    # tokens; a stream whose run had ended by then on the server (a grammar compiled on first use by the other
+    # worker, or a compiled worker swapped in with empty caches, held another case's start back past a quick case's
+    # end, once in CI) was not interrupted: its case runs again, with another kill, at most twice more. A premise,
+    # not the finding: with continuation broken, the interrupted streams fail their check or end in an error.
     _compile_grammars(crash_server.address)
 
     async def kill_when_all_started(counts):
@@ -160,11 +164,18 @@ def test_each_feature_continues_as_if_uninterrupted_after_its_worker_is_sigkille
             os.kill(pid, signal.SIGKILL)
         return True
 
-    results = asyncio.run(_streams(crash_server.address, cases, on_progress=kill_when_all_started))
-    with Client(crash_server.address) as client:
-        for case, deltas in zip(cases, results):
-            assert deltas[-1].timeline.attempts == 2, f"{case} was not continued: {deltas[-1].timeline}"
-            check_stream(client, case, deltas)
+    remaining = [c for c in CASES for _ in range(2)]
+    for _ in range(3):
+        results = asyncio.run(_streams(crash_server.address, remaining, on_progress=kill_when_all_started))
+        with Client(crash_server.address) as client:
+            for case, deltas in zip(remaining, results):
+                check_stream(client, case, deltas)
+        attempts = [deltas[-1].timeline.attempts for deltas in results]
+        assert set(attempts) <= {1, 2}, list(zip(remaining, attempts))  # one kill, one continuation at most
+        remaining = [case for case, n in zip(remaining, attempts) if n == 1]
+        if not remaining:
+            break
+    assert not remaining, f"never interrupted mid-output in three tries: {remaining}"
 
 
 @pytest.fixture(scope="module")
