@@ -1,6 +1,7 @@
 """Properties of the scheduler on random arrival / cancel / step sequences (virtual time)."""
 
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -176,3 +177,42 @@ def test_at_ten_times_the_sustainable_rate_work_that_must_complete_keeps_its_dea
     assert all(o.completed == o.arrival for o in refused)
     assert len(refused) > len(flood) / 2
     assert len(ran_late) < len(finished) / 2
+
+
+def _plans_checked(reqs, itl_target, workers) -> list[bool]:
+    """Runs `reqs`, checking at every _compose that each worker's plan is the one the planner makes then; returns,
+    per worker per _compose, whether its plan was kept (not made again)."""
+    sim = make_sim(workers=workers)
+    sched = sim.scheduler
+    sched.config = replace(sched.config, interactive=replace(sched.config.interactive, itl_target_s=itl_target,
+                                                             ttft_target_s=0.5 if itl_target else None))
+    compose, kept = sched._compose, []
+
+    def checked(model):
+        before = {wid: sched.workers[wid].plan for wid in model.workers + model.retiring}
+        actions = compose(model)
+        for wid in model.workers + model.retiring:
+            w = sched.workers[wid]
+            made = sched.planner.plan(w, model)
+            assert w.plan == made, f"worker {wid} kept {w.plan}, the planner makes {made}"
+            kept.append(w.plan is before[wid])
+        return actions
+    sched._compose = checked
+    sim.run(reqs)
+    return kept
+
+
+@settings(max_examples=int(__import__("os").environ.get("TOKENLINE_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
+@given(workloads(), st.sampled_from([None, 0.02, 0.05]), st.integers(1, 3))
+def test_a_step_plan_kept_between_events_is_the_plan_the_planner_makes_then(reqs, itl_target, workers):
+    # _compose makes a worker's plan again only when what it is made from moved (WorkerView.changes); the plan it
+    # keeps must be the one it would have made, under ITL and TTFT targets that make plans move with every report.
+    _plans_checked(reqs, itl_target, workers)
+
+
+def test_with_two_workers_busy_most_plans_are_kept_not_made_again():
+    # The other worker's plan, on each report of one: what the cut saves (issue 38). Checked as above.
+    reqs = [SimRequest(f"r{i}", 0.01 * i, prompt_tokens=32, max_tokens=30, cls=TrafficClass.INTERACTIVE)
+            for i in range(12)]
+    kept = _plans_checked(reqs, 0.05, 2)
+    assert sum(kept) > len(kept) / 3, f"{sum(kept)} of {len(kept)} plans kept"

@@ -85,6 +85,8 @@ class Scheduler:
         self._config = config
         for part in (self.admission, self.rules, self.planner, self.crashes, self.preemption):
             part.config = config
+        for w in self.workers.values():
+            w.planned_at = None  # plans are made again under it
 
     # ------------------------------------------------------------------ events
 
@@ -219,6 +221,7 @@ class Scheduler:
     def _learn(self, w: WorkerView, report: StepReport, now: float) -> None:
         """The worker's pace, and which admission batches it has applied."""
         w.applied_seq = max(w.applied_seq, report.applied_seq)
+        w.changes += 1  # its pace and its runs' tokens move: its plan is made again
         w.pace.observe(report, now, busy=bool(w.running), plan=w.plan)
         for seq in [s for s in w.pending_prefill if s <= w.applied_seq]:
             del w.pending_prefill[seq]
@@ -293,6 +296,9 @@ class Scheduler:
         """Interactive on every worker first, then bulk; passes until nothing moves (a head that fits
         no worker may unblock one behind it elsewhere, and slots held for waiting bulk return to
         interactive once bulk has gone). One Admit per worker that got anything."""
+        if not (model.suspects or model.survivors or model.queues[TrafficClass.INTERACTIVE]
+                or model.queues[TrafficClass.BULK]):
+            return []  # nothing waits: no worker's budget need be counted (most step reports, issue 38)
         workers = sorted(model.workers, key=lambda i: -self.workers[i].slots_free())
         r = Round(workers, {wid: self.rules.budget(self.workers[wid], at_boundary=wid == reporting) for wid in workers},
                   {wid: self.workers[wid].accepting() for wid in workers}, {wid: [] for wid in workers})
@@ -376,10 +382,15 @@ class Scheduler:
 
     def _compose(self, model: ModelState) -> list[Action]:
         """Each worker's step plan for what now runs on it (engine/scheduler/planner.py); sent only when its
-        limits change."""
+        limits change. Made again only for a worker whose plan's inputs moved (WorkerView.changes)."""
         actions: list[Action] = []
+        averages = (model.interactive_prompt_tokens, model.bulk_prompt_per_output)
         for wid in model.workers + model.retiring:  # a retiring worker's paused bulk must resume, or it never idles
             w = self.workers[wid]
+            inputs = (w.changes, averages)
+            if w.planned_at == inputs:
+                continue
+            w.planned_at = inputs
             plan = self.planner.plan(w, model)
             if (plan.bulk_decode, plan.prefill_tokens, plan.guard_prefill_tokens) != \
                     (w.plan.bulk_decode, w.plan.prefill_tokens, w.plan.guard_prefill_tokens):
