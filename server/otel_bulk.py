@@ -47,6 +47,30 @@ def record_many(histogram: Any, values: Sequence[float], attributes: dict[str, A
         _add(aggregation, rest)
 
 
+class Series:
+    """One series of a histogram (its attributes fixed), recorded a value at a time: the first value goes through
+    `record` (the SDK makes the series then), the rest straight into each reader's aggregation of it, as
+    `record_many` adds its rest: ~1 µs a value against `record`'s ~20 (issue 38: the worker step histogram takes
+    one per step report, hundreds a second). Where the SDK is not laid out as expected, every value goes through
+    `record`. Values are offered to no exemplar reservoir: a step report is handled outside any span."""
+
+    def __init__(self, histogram: Any, attributes: dict[str, Any]):
+        self._histogram, self._attributes = histogram, attributes
+        self._aggregations: list[Any] | None = None  # found after the first value
+        self._fallback = False
+
+    def record(self, value: float) -> None:
+        aggregations = self._aggregations
+        if aggregations is None:
+            self._histogram.record(value, self._attributes)
+            if not self._fallback:
+                self._aggregations = _aggregations(self._histogram, self._attributes)
+                self._fallback = self._aggregations is None
+            return
+        for aggregation in aggregations:
+            _add_one(aggregation, value)
+
+
 def _aggregations(histogram: Any, attributes: dict[str, Any]) -> list[Any] | None:
     """Every reader's aggregation of `attributes` on `histogram` (each an explicit-bucket histogram), or None."""
     if _hash_attributes is None:
@@ -83,3 +107,17 @@ def _add(aggregation: Any, values: Sequence[float]) -> None:
         if aggregation._record_min_max:
             aggregation._min = min(aggregation._min, low)
             aggregation._max = max(aggregation._max, high)
+
+
+def _add_one(aggregation: Any, value: float) -> None:
+    index = bisect_left(aggregation._boundaries, value)
+    with aggregation._lock:
+        if aggregation._value is None:
+            aggregation._value = aggregation._get_empty_bucket_counts()
+        aggregation._value[index] += 1
+        aggregation._sum += value
+        if aggregation._record_min_max:
+            if value < aggregation._min:
+                aggregation._min = value
+            if value > aggregation._max:
+                aggregation._max = value

@@ -36,7 +36,7 @@ from opentelemetry.trace import Link, Status, StatusCode
 
 from tokenline.engine.scheduler.records import Abort, Retry, StepResult
 from tokenline.engine.types import StepReport, TrafficClass
-from tokenline.server.otel_bulk import record_many
+from tokenline.server.otel_bulk import Series, record_many
 
 from tokenline.server.logs import logfmt, snake_case
 from tokenline.server.telemetry_config import FIRST_TOKEN_BUCKETS, GAP_BUCKETS, OTLP_ENDPOINT_ENV, SPLITS, TelemetryConfig
@@ -97,6 +97,7 @@ class Telemetry:
         self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
         self._extra: dict[RequestKey, _Extra] = {}
         self._last_step: dict[int, StepReport] = {}
+        self._step_series: dict[str, Series] = {}  # the step histogram's series by model (otel_bulk.Series)
         self._tenants: set[str] = set()
         self._snapshot = _Snapshot()
         self._snapshot_lock = threading.Lock()
@@ -313,7 +314,10 @@ class Telemetry:
         report = result.report
         model = runtime.specs[report.worker_id].model if report.worker_id in runtime.specs else "unknown"
         self._last_step[report.worker_id] = report
-        self._step.record(report.step_s, {"model": model})
+        series = self._step_series.get(model)
+        if series is None:
+            series = self._step_series[model] = Series(self._step, {"model": model})
+        series.record(report.step_s)
         now = time.monotonic()
         if self.tracer is not None and result.started:
             start = self._wall_ns(now - report.step_s)

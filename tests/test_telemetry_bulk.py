@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 
-from tokenline.server.otel_bulk import record_many
+from tokenline.server.otel_bulk import Series, record_many
 from tokenline.server.telemetry_config import GAP_BUCKETS
 
 
@@ -81,6 +81,27 @@ def test_where_the_bulk_path_does_not_apply_every_gap_still_counts():
         expected = points(reader_a)
         assert sum(p[0] for p in expected.values()) > 500
         assert points(reader_b) == expected
+
+
+def test_a_series_recorded_a_value_at_a_time_exports_what_record_exports_before_and_after_collections():
+    """otel_bulk.Series (the worker step histogram, once per step report): its values go straight into the
+    aggregation after the first; read in the middle, and with a View or a delta reader where it must fall back."""
+    cases = [((), None), ([View(instrument_name="gaps", aggregation=ExponentialBucketHistogramAggregation())], None),
+             ((), {_histogram_type(): AggregationTemporality.DELTA})]
+    for views, temporality in cases:
+        one_by_one, reader_a = histogram(views, temporality)
+        fast, reader_b = histogram(views, temporality)
+        series: dict[str, Series] = {}
+        for round_ in range(2):
+            for gaps, labels in requests(seed=5 + round_):
+                key = labels["class"] + labels["outcome"]
+                s = series.setdefault(key, Series(fast, labels))
+                for gap in gaps:
+                    one_by_one.record(gap, labels)
+                    s.record(gap)
+            expected = points(reader_a)
+            assert sum(p[0] for p in expected.values()) > 200
+            assert points(reader_b) == expected, (views, temporality, round_)
 
 
 def _histogram_type():  # noqa: ANN202
