@@ -33,6 +33,7 @@ FUNCTIONS = [
     ("tokenline.engine.scheduler.core", "Scheduler", "_learn"),
     ("tokenline.engine.scheduler.core", "Scheduler", "_dispatch"),
     ("tokenline.engine.scheduler.core", "Scheduler", "submit"),
+    ("tokenline.engine.scheduler.planner", "StepPlanner", "plan"),
     ("tokenline.server.runtime", "Runtime", "_handle"),
     ("tokenline.server.runtime", "Runtime", "_finish"),
     ("tokenline.server.runtime", "Runtime", "_on_timer"),

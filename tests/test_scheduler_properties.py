@@ -210,7 +210,7 @@ def test_a_step_plan_kept_between_events_is_the_plan_the_planner_makes_then(reqs
     _plans_checked(reqs, itl_target, workers)
 
 
-def test_with_two_workers_busy_most_plans_are_kept_not_made_again():
+def test_with_two_workers_busy_a_worker_keeps_its_plan_on_the_other_workers_reports():
     # The other worker's plan, on each report of one: what the cut saves (issue 38). Checked as above.
     reqs = [SimRequest(f"r{i}", 0.01 * i, prompt_tokens=32, max_tokens=30, cls=TrafficClass.INTERACTIVE)
             for i in range(12)]
