@@ -178,9 +178,10 @@ def _scored(kind: str, steps: float, slo: Slo, mix: Outcome, bulk_alone_tok_s: f
 
 
 def named_itl_target_ms(server_log: str) -> float | None:
-    """The ITL target a tokenline with no target flag named as it began serving (server/app.py), in ms; None if none."""
-    match = re.search(r"tokenline: serving on .*interactive ITL target ([\d.]+) ms", server_log)
-    return float(match.group(1)) if match else None
+    """The ITL target a tokenline with no target flag named as it began serving (server/app.py), in ms; None if none.
+    Where its workers timed different single steps it names a range, each worker keeping its own: the upper end."""
+    match = re.search(r"tokenline: serving on .*interactive ITL target ([\d.]+)(?:-([\d.]+))? ms", server_log)
+    return float(match.group(2) or match.group(1)) if match else None
 
 
 def attainment(outcome: Outcome, slo: Slo) -> dict[str, Any]:

@@ -351,20 +351,22 @@ def _serving_mode(runtime: Runtime) -> str:
 
 
 def _itl_target_now(runtime: Runtime, model: str) -> str:
-    """The default model's ITL target in milliseconds where it is a multiple of the single-sequence step, from what
-    its first worker timed on its idle engine (WorkerSpec.single_step_s); nothing where it is not, or where that
-    step is too short to stand for what a stream sees (scheduler/pace.py TIMED_SINGLE_MIN_S: learnt from traffic)."""
+    """The default model's ITL target in milliseconds where it is a multiple of the single-sequence step: each
+    worker's, from what it timed on its idle engine (WorkerSpec.single_step_s), which is what its steps keep
+    (scheduler/pace.py target_single_s); a range where its workers timed different steps. Nothing where the target
+    is not a multiple, or where the step is too short to stand for what a stream sees (pace.TIMED_SINGLE_MIN_S)."""
     interactive = runtime.scheduler.config.interactive
-    from tokenline.engine.scheduler.pace import timed_single_step
-
-    steps = [s.single_step_s for s in runtime.specs.values()
-             if s.model == model and timed_single_step(s.single_step_s) is not None]
-    if interactive.itl_target_s is not None or interactive.itl_target_steps is None or not steps:
+    singles = sorted(v.pace.target_single_s for v in runtime.scheduler.workers.values()
+                     if v.spec.model == model and v.pace.target_single_s is not None)
+    if interactive.itl_target_s is not None or interactive.itl_target_steps is None or not singles:
         return ""
-    single = min(steps)
     eager = ", eager: each compiled worker times its own" if runtime.workers.swapping else ""
-    return (f"; interactive ITL target {interactive.itl_target_for(single) * 1000:.1f} ms "
-            f"({interactive.itl_target_steps:g} × the {single * 1000:.1f} ms single-sequence step it measured{eager})")
+    lo, hi = (f"{interactive.itl_target_for(x) * 1000:.1f}" for x in (singles[0], singles[-1]))
+    if lo == hi:
+        return (f"; interactive ITL target {lo} ms ({interactive.itl_target_steps:g} × the {singles[0] * 1000:.1f} ms "
+                f"single-sequence step it measured{eager})")
+    return (f"; interactive ITL target {lo}-{hi} ms ({interactive.itl_target_steps:g} × each worker's single-sequence "
+            f"step, {singles[0] * 1000:.1f}-{singles[-1] * 1000:.1f} ms as each measured it{eager})")
 
 
 async def _await_ready(runtime: Runtime, served: dict[str, ServedModel], timeout: float) -> bool:

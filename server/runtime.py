@@ -20,6 +20,7 @@ from tokenline.engine.autoscale import AutoscaleConfig, Share, read_pressure
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.scheduler.config import SchedulerConfig
 from tokenline.engine.scheduler.core import Scheduler
+from tokenline.engine.scheduler.pace import TARGET_BAND
 from tokenline.engine.scheduler.status import Status
 from tokenline.engine import types as wire  # the messages a worker receives: wire.Admit, wire.Abort
 from tokenline.engine.scheduler.records import Abort, Admit, Expire, Fail, Refusal, Refuse, Retry, SetPlan, StepResult
@@ -119,6 +120,13 @@ class Runtime:
         if self.workers.scales_from_zero(spec.model):  # with no worker left, requests queue for a start this long
             self.scheduler.on_demand[spec.model] = self.workers.startup_s.get(spec.model, 0.0)
         self._handle(self.scheduler.add_worker(spec))
+        view = self.scheduler.workers.get(spec.worker_id)
+        single = view.pace.target_single_s if view is not None else None  # None: too short to time (pace.py)
+        interactive = self.scheduler.config.interactive
+        if single is not None and interactive.itl_target_s is None and interactive.itl_target_steps is not None:
+            log.info("worker %d (model %s): interactive ITL target %.1f ms (%g × the %.1f ms single-sequence step it timed)",
+                     spec.worker_id, spec.model, interactive.itl_target_for(single) * 1000, interactive.itl_target_steps,
+                     single * 1000)
 
     def _worker_lost(self, wid: int) -> None:
         view = self.scheduler.workers.get(wid)
@@ -293,6 +301,12 @@ class Runtime:
     def _step_reported(self, report: StepReport) -> None:
         now = time.monotonic()
         result = self.scheduler.on_step(report)
+        if result.itl_target_moved_s is not None:
+            view = self.scheduler.workers[report.worker_id]
+            log.warning("worker %d (model %s): interactive ITL target now %.1f ms (%g × the %.1f ms single-sequence step "
+                        "its lone sequences take now: more than %.0f %% from the one it kept before)",
+                        report.worker_id, view.spec.model, result.itl_target_moved_s * 1000,
+                        self.scheduler.config.interactive.itl_target_steps, view.pace.target_single() * 1000, TARGET_BAND * 100)
         for key in result.started:
             st = self.requests.get(key)
             if st is not None and st.timeline.first_scheduled is None:

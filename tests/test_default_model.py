@@ -68,11 +68,13 @@ def test_a_step_too_short_to_stand_for_what_a_stream_sees_is_learnt_from_traffic
     out = tiny_server.output()
     timed = [float(m) for m in re.findall(r"worker \d+ ready: .*single-sequence step ([\d.]+) ms", out)]
     assert timed, out[-3000:]
-    named = re.search(r"interactive ITL target ([\d.]+) ms \(3 × the ([\d.]+) ms single-sequence step", out)
+    named = re.search(r"serving on .*interactive ITL target ([\d.]+)(?:-[\d.]+)? ms", out)
     if max(timed) < 5.0:
         assert "interactive ITL target" not in out, named
-    else:
-        assert named and float(named.group(2)) == pytest.approx(min(timed), abs=0.06), out[-3000:]
+    elif min(timed) < 5.0:  # one worker's timing counts: the line names its target, the other's is learnt
+        assert named and float(named.group(1)) == pytest.approx(3 * max(timed), abs=0.2), out[-3000:]
+    else:  # each worker's own: 3 × the fastest one's, to 3 × the slowest one's where they differ
+        assert named and float(named.group(1)) == pytest.approx(3 * min(timed), abs=0.2), out[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,7 @@ class Scheduler:
             WorkerPace.fresh(self.config.step_time_prior_s, self.config.prefill_per_token_prior_s)  # a restart keeps what was learnt
         if timed_single_step(spec.single_step_s) is not None:
             pace.single_step_s = spec.single_step_s  # timed on its idle engine: where its single step starts from
+            pace.target_single_s = spec.single_step_s  # and what its ITL targets are named from (the start-up line)
         self.workers[spec.worker_id] = WorkerView(spec=spec, pace=pace, isolate_after_crashes=self.config.isolate_after_crashes)
         model = self._model(spec.model)
         model.last_spec = spec
@@ -174,6 +175,8 @@ class Scheduler:
             return result
         now = self.clock()
         self._learn(w, report, now)
+        if w.pace.target_moved and self.config.interactive.itl_target_s is None:
+            result.itl_target_moved_s = self.config.interactive.itl_target_for(w.pace.target_single())
         step = w.pace.estimator.step_s(max(len(w.running), 1))
         result.interactive = w.interactive_running
         result.plan = w.plan

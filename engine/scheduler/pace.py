@@ -27,6 +27,10 @@ SINGLE_FALL, SINGLE_RISE = 0.3, 0.005
 # but the tiny model timed 1.12 ms where a stream alone got 1.30, and far more on a loaded box; taken as is, its ITL
 # target held streams back that its steps had room for. Below this the estimate is learnt from traffic alone.
 TIMED_SINGLE_MIN_S = 0.005
+# How far the measured single step may move from the one a worker's ITL targets are multiples of before they follow
+# it (`target_single_s`): within it they stay what was named, so the noise of a worker's single steps (±8 % here)
+# and the pipe's share of a lone stream's step do not move a promise; past it the worker really sped up or slowed.
+TARGET_BAND = 0.10
 
 
 def timed_single_step(single_step_s: float) -> float | None:
@@ -45,6 +49,15 @@ class WorkerPace:
     # their mean; it still follows a worker that really slowed, over a few hundred steps. ITL targets are
     # multiples of it.
     single_step_s: float | None = None
+    # The single step its ITL targets in single steps (`itl_target_steps`, `min_itl_target_steps`) are multiples of:
+    # the one it timed alone at start (the one the start-up line names), held while `single_step_s` stays within
+    # TARGET_BAND of it and moved to it when it leaves the band (`target_moved`, which the runtime logs). None (a
+    # step too short to time, scheduler/core.py): the targets follow `single_step_s`. Before, they followed it
+    # always, and it rises in traffic (a lone sequence's steps carry the pipe and the frontend): a server that named
+    # 70.9 ms (3 × 23.6) kept 3 × a single step that its lone-sequence steps of 24-32 ms had pulled up, and 5 of 65
+    # streams ended past 70.9 ms (bench mixed, 2026-12-07).
+    target_single_s: float | None = None
+    target_moved: bool = False  # the last report moved `target_single_s`
     # Its cost per prompt token, measured on steps that computed at least PREFILL_SAMPLE_TOKENS of
     # them (a moving average): the floor under the fitted one when steps are planned.
     prefill_token_s: float | None = None
@@ -72,11 +85,16 @@ class WorkerPace:
     def observe(self, report: StepReport, now: float, *, busy: bool, plan: StepPlan) -> None:
         """One step report. `busy`: it had work since its last report, so report to report is one whole
         step period; `plan`: the plan the step ran under."""
+        self.target_moved = False
         if busy and self.last_report_at and report.batch_size:
             period = max(now - max(self.last_report_at, self.woke_at), report.step_s)
             self.cadence.observe(report.batch_size, report.prefill_tokens, period)
             if report.batch_size == 1 and not report.prefill_tokens:
                 self.single_step_s = self._single_after(period)
+                self.target_moved = (self.target_single_s is not None
+                                     and abs(self.single_step_s - self.target_single_s) > TARGET_BAND * self.target_single_s)
+                if self.target_moved:
+                    self.target_single_s = self.single_step_s
             if report.prefill_tokens >= PREFILL_SAMPLE_TOKENS:  # enough prompt in it to tell its cost from noise
                 a, b, _ = step_line(self.cadence, self.single_step_s, report.batch_size)
                 per_token = max(period - (a + b * report.batch_size), 0.0) / report.prefill_tokens
@@ -100,6 +118,10 @@ class WorkerPace:
     def single(self) -> float:
         """Its period with one sequence decoding: measured, or the planning line's at batch 1 until then."""
         return self.single_step_s if self.single_step_s is not None else self.cadence.step_s(1)
+
+    def target_single(self) -> float:
+        """The single step its ITL targets in single steps are multiples of (`target_single_s`, else `single()`)."""
+        return self.target_single_s if self.target_single_s is not None else self.single()
 
     def line(self, batch: int) -> tuple[float, float, float]:
         """The planning line (fixed, per sequence, per prompt token) around a batch of `batch` (composition.step_line)."""

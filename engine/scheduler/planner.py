@@ -33,7 +33,7 @@ class StepPlanner:
                           interactive_decoding=sum(1 for e in interactive if e.prefilled),
                           bulk_prefilling=len(w.running) - len(interactive) - bulk_decoding,
                           interactive_prefill_due=self.prefill_due(w, interactive, ttft_target))
-        pace, single = w.pace, w.pace.single()
+        pace, single = w.pace, w.pace.target_single()
         # `share` only sizes the TTFT guard (share × TTFT target), by its own set point: the ITL steps follow the
         # step budget.
         return compose_step(load, pace.cadence, self.itl_target(interactive, single),
@@ -118,13 +118,13 @@ class StepPlanner:
         computes owed prompts at the unchunked rate: beside streams it promised first tokens the plan could not
         give (the simulator's steady overload, tests/test_targets_overload.py: up to 5.3 s against 4.17 s)."""
         interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]
-        target = self.itl_target(interactive, w.pace.single()) if interactive else None
+        target = self.itl_target(interactive, w.pace.target_single()) if interactive else None
         if target is None:
             return None
         bulk = sum(1 for x in w.running.values() if x.cls == TrafficClass.BULK)
         a, b, c = w.pace.line(len(w.running) + 1)
         # The step the streams allow now: the target's planned share, more where they run ahead of it.
-        planned = max(self.config.itl_set_point * target, self.step_budget(w, interactive, w.pace.single()) or 0.0)
+        planned = max(self.config.itl_set_point * target, self.step_budget(w, interactive, w.pace.target_single()) or 0.0)
         decode_s = a + b * (len(interactive) + min(self.config.min_bulk_decode, bulk))
         chunk = max((planned - decode_s) / c if c > 0 else math.inf, MIN_PREFILL_CHUNK)
         steps = math.ceil(owed_tokens / chunk)
@@ -145,7 +145,7 @@ class StepPlanner:
         that target), or None without an ITL target: for retry hints (hints.py), the room a stream booked there
         takes."""
         interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]
-        target = self.itl_target(interactive + [e], w.pace.single())
+        target = self.itl_target(interactive + [e], w.pace.target_single())
         if target is None:
             return None
         streams = 1
@@ -210,9 +210,9 @@ class StepPlanner:
             return True
         if w.own_itl_targets:  # the tightest of their own targets counts too
             interactive = [x for x in w.running.values() if x.cls == TrafficClass.INTERACTIVE]
-            target = self.itl_target(interactive + [e], w.pace.single())
+            target = self.itl_target(interactive + [e], w.pace.target_single())
         else:  # asked per candidate of every admission round: no pass over the running streams
-            target = self.itl_target([e], w.pace.single())
+            target = self.itl_target([e], w.pace.target_single())
         if target is None:
             return True
         keeps = self._streams_keep(streams + 1, target, w, model)

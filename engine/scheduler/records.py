@@ -195,6 +195,9 @@ class StepResult:
     actions: list[Action] = field(default_factory=list)
     interactive: int = 0  # interactive runs on the worker during the step
     plan: StepPlan | None = None  # the step plan the step ran under
+    # The worker's interactive ITL target in seconds where this report moved it: a target in single steps follows
+    # the worker's measured single step once that leaves the band around the one it was named from (pace.py).
+    itl_target_moved_s: float | None = None
 
 
 @dataclass
