@@ -358,7 +358,7 @@ def _itl_target_now(runtime: Runtime, model: str) -> str:
     interactive = runtime.scheduler.config.interactive
     singles = sorted(v.pace.target_single_s for v in runtime.scheduler.workers.values()
                      if v.spec.model == model and v.pace.target_single_s is not None)
-    if interactive.itl_target_s is not None or interactive.itl_target_steps is None or not singles:
+    if not interactive.itl_target_in_steps or not singles:
         return ""
     eager = ", eager: each compiled worker times its own" if runtime.workers.swapping else ""
     lo, hi = (f"{interactive.itl_target_for(x) * 1000:.1f}" for x in (singles[0], singles[-1]))

@@ -123,7 +123,7 @@ class Runtime:
         view = self.scheduler.workers.get(spec.worker_id)
         single = view.pace.target_single_s if view is not None else None  # None: too short to time (pace.py)
         interactive = self.scheduler.config.interactive
-        if single is not None and interactive.itl_target_s is None and interactive.itl_target_steps is not None:
+        if single is not None and interactive.itl_target_in_steps:
             log.info("worker %d (model %s): interactive ITL target %.1f ms (%g × the %.1f ms single-sequence step it timed)",
                      spec.worker_id, spec.model, interactive.itl_target_for(single) * 1000, interactive.itl_target_steps,
                      single * 1000)

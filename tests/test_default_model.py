@@ -58,6 +58,9 @@ def test_the_serving_line_names_the_default_itl_target_from_the_step_the_worker_
     assert single_ms > 0 and target_ms == pytest.approx(3 * single_ms, abs=0.15)
     timed = [float(m) for m in re.findall(r"worker \d+ ready: .*single-sequence step ([\d.]+) ms", out)]
     assert timed and min(timed) == pytest.approx(single_ms, abs=0.06)
+    # and each worker's own line says the target its steps keep: the one named
+    kept = [float(m) for m in re.findall(r"worker \d+ \(model [^)]*\): interactive ITL target ([\d.]+) ms", out)]
+    assert kept and min(kept) == target_ms, out[-3000:]
 
 
 def test_a_step_too_short_to_stand_for_what_a_stream_sees_is_learnt_from_traffic_instead(tiny_server):

@@ -234,6 +234,8 @@ def test_a_worker_started_again_after_a_crash_starts_from_the_step_its_new_engin
     s.worker_lost(0)
     s.add_worker(replace(spec, single_step_s=0.0122))  # the supervisor's replacement, same id
     assert s.workers[0].pace.single() == 0.0122
+    s.workers[0].pace.single_step_s = 0.0128  # learnt from its traffic, within pace.TARGET_BAND
+    assert s.workers[0].pace.target_single() == 0.0122  # its ITL target is still 3 x its own timing, as it logged
     s.add_worker(replace(spec, single_step_s=0.0117))  # re-added while still known (a restart that kept its slot)
     assert s.workers[0].pace.single() == 0.0117
 

@@ -60,6 +60,11 @@ class ClassConfig:
             return None
         return max(self.ttft_target_first_tokens * idle_first_token_s, floor_s)
 
+    @property
+    def itl_target_in_steps(self) -> bool:
+        """Is the ITL target a multiple of the worker's single-sequence step (not given in ms, not off)?"""
+        return self.itl_target_s is None and self.itl_target_steps is not None
+
     def itl_target_for(self, single_step_s: float) -> float | None:
         if self.itl_target_s is not None:
             return self.itl_target_s

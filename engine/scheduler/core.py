@@ -175,7 +175,7 @@ class Scheduler:
             return result
         now = self.clock()
         self._learn(w, report, now)
-        if w.pace.target_moved and self.config.interactive.itl_target_s is None:
+        if w.pace.target_moved and self.config.interactive.itl_target_in_steps:
             result.itl_target_moved_s = self.config.interactive.itl_target_for(w.pace.target_single())
         step = w.pace.estimator.step_s(max(len(w.running), 1))
         result.interactive = w.interactive_running
