@@ -100,6 +100,11 @@ class _Seq:
         return (self.item.priority, self.order)
 
 
+def _prompt_owed(seq: _Seq) -> int:
+    """Prompt tokens `seq` has still to compute (0 once it decodes)."""
+    return 0 if seq.output_ids and seq.computed >= seq.tokens - 1 else seq.tokens - seq.computed
+
+
 class SimBackend:
     def __init__(self, config: WorkerConfig, worker_id: int, *, sleep: Callable[[float], Any] = time.sleep):
         self.config = config
@@ -260,7 +265,8 @@ class SimBackend:
         self._applied_bulk_decode = plan.bulk_decode
         self._paused = len(paused)
         if plan.prefill_tokens is not None:
-            budget = min(budget, len(running) + plan.prefill_tokens)
+            owed = sum(_prompt_owed(s) for s in itertools.chain(running, self.waiting) if s.item.priority == 0)
+            budget = min(budget, len(running) + plan.prefill_budget(owed))
         return running, budget
 
     def _schedule_fixed(self) -> tuple[list[_Seq], dict[str, int]]:

@@ -363,7 +363,8 @@ def _step_members(w: SimWorker) -> dict[str, int]:
         return members
     if not plan.limits:
         return {s.run_key: s.prompt_left for s in seqs}
-    prefill_left = plan.prefill_tokens if plan.prefill_tokens is not None else 1 << 62
+    owed = sum(s.prompt_left for s in seqs if s.interactive)
+    prefill_left = plan.prefill_budget(owed) if plan.prefill_tokens is not None else 1 << 62
     decoding = [s for s in seqs if not s.interactive and s.prefilled]
     members = {s.run_key: 0 for s in seqs if s.interactive and s.prefilled}
     members.update((s.run_key, 0) for s in (decoding if plan.bulk_decode is None else decoding[:plan.bulk_decode]))

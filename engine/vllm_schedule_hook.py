@@ -228,8 +228,16 @@ class ScheduleHook:
         if paused:
             scheduler.running = interactive + keep
         if plan.prefill_tokens is not None:
-            scheduler.max_num_scheduled_tokens = min(budget, len(scheduler.running) + plan.prefill_tokens)
+            owed = sum(_prompt_owed(r) for r in interactive) + sum(_prompt_owed(r) for r in scheduler.waiting
+                                                                   if r.priority == 0)
+            scheduler.max_num_scheduled_tokens = min(budget, len(scheduler.running) + plan.prefill_budget(owed))
         return paused, budget
+
+
+def _prompt_owed(request: Any) -> int:
+    """Prompt tokens a vLLM request has still to compute (0 once it decodes; a preempted one recomputes its output too)."""
+    left = request.num_tokens - request.num_computed_tokens
+    return left if left > 1 or request.num_computed_tokens < request.num_prompt_tokens else 0
 
 
 def _summarise(scheduler: Any, out: Any) -> Scheduled:

@@ -25,6 +25,7 @@ from tokenline.engine.types import (
     FinishReason,
     Sampling,
     SeqOutput,
+    StepPlan,
     StepReport,
     WorkerFailed,
     WorkerSpec,
@@ -193,6 +194,39 @@ def test_first_scheduling_and_prefill_are_reported_once(worker):
     assert sum(r.first_scheduled.count("first#0") for r in reports) == 1
     assert sum(r.prefill_tokens for r in reports) == len(prompt)
     assert all(r.batch_size >= 1 for r in reports if r.outputs)
+
+
+def test_room_a_plan_keeps_for_an_interactive_prompt_goes_to_no_bulk_prompt_once_that_prompt_is_done(worker):
+    """A plan may allow a long step for an interactive prompt's first token (engine/types.py
+    StepPlan.prefill_budget); the scheduler cannot see that the prompt is done by the time the plan is
+    carried out. Bulk prompts then get what the step budget allows, not the first token's room; an
+    interactive prompt that is owed gets all of it."""
+    chat = Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
+    worker.admit(item("chat#0", prompt=tuple(range(10, 42)), sampling=chat))
+    worker.reports_until(lambda rs: len(tokens(outputs_by_key(rs).get("chat#0", []))) >= 2)  # decoding
+    within, first_token_room, bulk_prompt = 16, 200, tuple(10 + i % 400 for i in range(600))
+    worker.handle.send(StepPlan(bulk_decode=4, prefill_tokens=first_token_room, budget_prefill_tokens=within))
+    seen: list[StepReport] = []
+    try:
+        bulk = Sampling(max_tokens=2, temperature=0.0, ignore_eos=True)
+        worker.admit(item("bulk#0", prompt=bulk_prompt, sampling=bulk, priority=1),
+                     item("bulk#1", prompt=bulk_prompt[1:], sampling=bulk, priority=1))
+        during = worker.reports_until(lambda rs: sum(r.prefill_tokens for r in rs) >= 300)
+        seen += during
+        worker.admit(item("chat#1", prompt=tuple(range(50, 114)), sampling=chat))
+        joined = worker.reports_until(lambda rs: "chat#1" in outputs_by_key(rs))
+        seen += joined
+    finally:
+        worker.handle.send(StepPlan())
+        keys = {"chat#0", "chat#1", "bulk#0", "bulk#1"}
+        worker.handle.send(Abort(tuple(keys)))
+        worker.reports_until(lambda rs: keys <= settled(seen + rs))
+    # Bulk prompts advance within the step budget (plus the token each running sequence may take), never
+    # by the 200 kept for an interactive first token.
+    computing = [r.prefill_tokens for r in during if r.prefill_tokens]
+    assert computing and max(computing) <= within + 3, computing
+    # The interactive prompt that came gets the room: its 64 tokens in the one step that gives its first token.
+    assert joined[-1].prefill_tokens >= 64
 
 
 def test_abort_mid_generation_frees_all_kv_blocks(worker):

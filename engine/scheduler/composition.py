@@ -123,6 +123,8 @@ def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float
     if itl_target_s is None or load.interactive == 0:
         return StepPlan(guard_prefill_tokens=guard) if guard is not None else NO_LIMIT
     room = (share * itl_target_s if step_budget_s is None else step_budget_s) - (a + b * load.interactive)
+    # Prompt tokens the step budget allows beside the decodes that always run (StepPlan.prefill_budget).
+    within = _fit(room - b * min(min_bulk, load.bulk), c) if c > 0 else None
     interactive_prefill = load.interactive_prefill
     decoding = load.interactive if load.interactive_decoding is None else load.interactive_decoding
     whole = decoding == 0  # no interactive stream waits for a next token: its prompts go in whole
@@ -141,7 +143,8 @@ def compose_step(load: WorkerLoad, estimator: StepEstimator, itl_target_s: float
     else:
         prefill = interactive_prefill + _fit(room, c) if c > 0 else None
     predicted = a + b * (load.interactive + bulk) + c * (prefill or 0)
-    return StepPlan(bulk_decode=bulk, prefill_tokens=prefill, predicted_step_s=predicted, guard_prefill_tokens=guard)
+    return StepPlan(bulk_decode=bulk, prefill_tokens=prefill, predicted_step_s=predicted, guard_prefill_tokens=guard,
+                    budget_prefill_tokens=within)
 
 
 def _ttft_guard(load: WorkerLoad, coef: tuple[float, float, float], itl_target_s: float | None,
