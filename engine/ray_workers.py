@@ -39,7 +39,7 @@ from typing import Any
 
 from tokenline.engine.config import WorkerConfig
 from tokenline.engine.types import Shutdown
-from tokenline.engine.worker import OnExit, OnMessage, feed_connection, pump_messages
+from tokenline.engine.worker import OnExit, OnMessage
 
 log = logging.getLogger(__name__)
 
@@ -299,3 +299,29 @@ def _sever(conn: multiprocessing.connection.Connection | None) -> None:
         pass
     finally:
         sock.detach()
+
+
+def pump_messages(conn: multiprocessing.connection.Connection, worker_id: int, on_message: OnMessage) -> None:
+    """Hand each message from a worker's connection to `on_message` until the connection closes
+    (the worker exited, was killed, or its node went away)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the worker's end closed
+        except Exception:  # one message that would not unpickle; the stream is still framed
+            log.exception("unreadable message from worker %d", worker_id)
+            continue
+        try:
+            on_message(worker_id, msg)
+        except Exception:
+            log.exception("on_message failed for worker %d", worker_id)
+
+
+def feed_connection(conn: multiprocessing.connection.Connection, outbox: SimpleQueue) -> None:
+    """Send what is queued for a worker until a None is queued or the worker is gone."""
+    while (msg := outbox.get()) is not None:
+        try:
+            conn.send(msg)
+        except OSError:
+            return  # the worker is gone; the reader reports it

@@ -301,11 +301,14 @@ class Supervisor(SwapIns):
             self._standby_ids.add(wid)
         if model in self.swapping and not cfg.compile:
             self._eager.add(wid)
-        handle = self.factory(
-            wid, cfg,
-            on_message=lambda w, m: self.loop.call_soon_threadsafe(self._on_message, w, m),
-            on_exit=lambda w, code: self.loop.call_soon_threadsafe(self._on_exit, w, code),
-        )
+        if getattr(self.factory, "reads_on_loop", False):  # a local process: its pipe is served on this loop
+            handle = self.factory(wid, cfg, on_message=self._on_message, on_exit=self._on_exit, loop=self.loop)
+        else:  # its callbacks come on its own threads
+            handle = self.factory(
+                wid, cfg,
+                on_message=lambda w, m: self.loop.call_soon_threadsafe(self._on_message, w, m),
+                on_exit=lambda w, code: self.loop.call_soon_threadsafe(self._on_exit, w, code),
+            )
         self.handles[wid] = handle
         handle.start()
         return wid

@@ -234,7 +234,7 @@ class SeqOutput:
 
     def __reduce__(self) -> tuple:
         # Pickled as its fields in order, not as a dict of them: a report carries one per sequence, and this
-        # unpickles in about a quarter of the time on the frontend's reader thread (issue 38).
+        # unpickles in about a quarter of the time on the frontend's loop (issue 38).
         return SeqOutput, _seq_output_fields(self)
 
 

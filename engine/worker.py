@@ -12,6 +12,7 @@ target, and the environment those libraries read must be set first.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -23,10 +24,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from queue import SimpleQueue
 from typing import Any
 
 from tokenline.engine.config import WorkerConfig
+from tokenline.engine.loop_pipe import LoopPipe
 from tokenline.engine.types import Abort, AdapterChange, Admit, Shutdown, StepPlan, StepReport, WorkerFailed
 
 log = logging.getLogger(__name__)
@@ -227,19 +228,23 @@ class WorkerHandle:
 
     `on_message(worker_id, msg)` is called for every message the worker sends
     and `on_exit(worker_id, exitcode)` once when it is gone (also after a
-    SIGKILL: its end of the pipe closes). Both run on a reader thread; the
-    caller hands them to its event loop. `send` never blocks the caller: a
-    writer thread feeds the pipe, which is full while the worker is mid-step.
+    SIGKILL: its end of the pipe closes), both on `loop`'s thread: the pipe
+    is read and written on that loop (engine/loop_pipe.py), with no thread
+    of its own. `start` runs on the loop's thread. `send` never blocks the
+    caller (the pipe is full while the worker is mid-step) and may be called
+    from any thread.
     """
 
     local = True
+    reads_on_loop = True  # the supervisor passes its loop and direct callbacks (a Ray handle gets neither)
 
-    def __init__(self, worker_id: int, config: WorkerConfig, on_message: OnMessage, on_exit: OnExit):
+    def __init__(self, worker_id: int, config: WorkerConfig, on_message: OnMessage, on_exit: OnExit,
+                 *, loop: asyncio.AbstractEventLoop):
         self.worker_id = worker_id
         self.config = config
         self._on_message = on_message
         self._on_exit = on_exit
-        self._outbox: SimpleQueue[object] = SimpleQueue()
+        self._loop = loop
         self._reap_lock = threading.Lock()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
@@ -250,15 +255,26 @@ class WorkerHandle:
             daemon=True,
         )
         self._child_conn = child_conn
-        self._reader = threading.Thread(target=self._read, name=f"worker-{worker_id}-reader", daemon=True)
-        self._writer = threading.Thread(target=self._write, name=f"worker-{worker_id}-writer", daemon=True)
+        self._pipe = LoopPipe(self._conn, loop, lambda msg: on_message(worker_id, msg), self._pipe_closed,
+                              name=f"worker {worker_id}'s pipe")
 
     def start(self) -> WorkerHandle:
         self._process.start()
         self._child_conn.close()  # ours closed, the pipe breaks as soon as the worker dies
-        self._reader.start()
-        self._writer.start()
+        self._pipe.start()
         return self
+
+    def _pipe_closed(self) -> None:
+        """The worker's end closed: it is gone or going. Reap it off the loop, then report its exit on the loop."""
+        loop, wid = self._loop, self.worker_id
+
+        def reap() -> None:
+            code = self.join()
+            try:
+                loop.call_soon_threadsafe(self._on_exit, wid, code)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is left to tell
+        threading.Thread(target=reap, name=f"worker-{wid}-reaper", daemon=True).start()
 
     @property
     def pid(self) -> int | None:
@@ -283,7 +299,7 @@ class WorkerHandle:
 
     def send(self, msg: object) -> None:
         """Queue a message for the worker; dropped if the worker is gone (on_exit tells of that)."""
-        self._outbox.put(msg)
+        self._pipe.send(msg)
 
     def kill(self) -> None:
         """SIGKILL the worker."""
@@ -301,40 +317,4 @@ class WorkerHandle:
         if self.is_alive():
             self._process.kill()
             self.join()
-        self._outbox.put(None)
         return self.exitcode
-
-    def _read(self) -> None:
-        pump_messages(self._conn, self.worker_id, self._on_message)
-        exitcode = self.join()
-        self._outbox.put(None)  # let the writer go
-        self._on_exit(self.worker_id, exitcode)
-
-    def _write(self) -> None:
-        feed_connection(self._conn, self._outbox)
-
-
-def pump_messages(conn: Connection, worker_id: int, on_message: OnMessage) -> None:
-    """Hand each message from a worker's connection to `on_message` until the connection closes
-    (the worker exited, was killed, or its node went away). Shared by local and Ray workers."""
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return  # the worker's end closed
-        except Exception:  # one message that would not unpickle; the stream is still framed
-            log.exception("unreadable message from worker %d", worker_id)
-            continue
-        try:
-            on_message(worker_id, msg)
-        except Exception:
-            log.exception("on_message failed for worker %d", worker_id)
-
-
-def feed_connection(conn: Connection, outbox: SimpleQueue) -> None:
-    """Send what is queued for a worker until a None is queued or the worker is gone."""
-    while (msg := outbox.get()) is not None:
-        try:
-            conn.send(msg)
-        except OSError:
-            return  # the worker is gone; the reader reports it

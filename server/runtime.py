@@ -2,7 +2,8 @@
 
 One `Runtime` per server. It owns the scheduler (clocked by time.monotonic),
 the worker supervisor (engine/supervisor.py), and one mailbox per request.
-Worker reader threads hand messages to the event loop; everything that touches
+A local worker's pipe is read and written on the event loop (engine/loop_pipe.py);
+a Ray worker's reader thread hands its messages to the loop. Everything that touches
 the scheduler or a request runs on the loop, so nothing here needs a lock.
 Output is keyed by run (request, attempt, admission): anything from a run that
 is no longer current is dropped and counted, so a request completes once.

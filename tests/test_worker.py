@@ -8,9 +8,11 @@ The tiny model's text is gibberish: assertions are on token counts and ids.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import signal
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,13 +51,35 @@ def tiny_config(model: Path, backend: str, **overrides) -> WorkerConfig:
     return WorkerConfig(model_path=str(model), model_name="tiny", backend=backend, **settings)
 
 
+class LoopThread:
+    """An event loop on a thread of its own, as the frontend's: a WorkerHandle's pipe is served on it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self.thread.start()
+
+    def call(self, fn, *args):
+        """`fn(*args)` run on the loop's thread; its result."""
+        async def run():
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(WAIT_S)
+
+
+def start_handle(worker_id: int, config: WorkerConfig, on_message, on_exit) -> tuple[WorkerHandle, LoopThread]:
+    """A WorkerHandle started on a loop of its own; its callbacks run on that loop's thread."""
+    lt = LoopThread()
+    return lt.call(lambda: WorkerHandle(worker_id, config, on_message, on_exit, loop=lt.loop).start()), lt
+
+
 class RunningWorker:
     """A WorkerHandle whose callbacks feed a queue the test reads."""
 
     def __init__(self, config: WorkerConfig, worker_id: int = 0):
         self.messages: queue.Queue = queue.Queue()
         self.exits: queue.Queue = queue.Queue()
-        self.handle = WorkerHandle(worker_id, config, self._on_message, self._on_exit).start()
+        self.callback_threads: set[str] = set()
+        self.handle, self.loop_thread = start_handle(worker_id, config, self._on_message, self._on_exit)
         self.spec = self.next_message()
         if isinstance(self.spec, WorkerFailed):
             raise RuntimeError(f"worker failed to start: {self.spec.message}")
@@ -63,9 +87,11 @@ class RunningWorker:
         self._seq = 0
 
     def _on_message(self, worker_id: int, msg: object) -> None:
+        self.callback_threads.add(threading.current_thread().name)
         self.messages.put(msg)
 
     def _on_exit(self, worker_id: int, exitcode: int | None) -> None:
+        self.callback_threads.add(threading.current_thread().name)
         self.exits.put(exitcode)
 
     def next_message(self) -> object:
@@ -271,6 +297,7 @@ def test_a_worker_killed_with_sigkill_is_reported_exited(tiny_model, backend):
     w.handle.kill()
     assert w.wait_exit() == -signal.SIGKILL
     assert not w.handle.is_alive()
+    assert w.callback_threads == {"test-loop"}  # its reports and its exit came on the loop, as the frontend's do
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -284,7 +311,7 @@ def test_the_fault_flag_is_ignored_when_fault_injection_is_off(tiny_model):
     w = RunningWorker(tiny_config(tiny_model, "sim"))
     outputs, _ = w.run(item("harmless#0", fault_marker=True))
     assert len(tokens(outputs["harmless#0"])) == 16
-    assert w.handle.terminate(timeout=30) == 0
+    assert w.handle.terminate(timeout=30) == 0  # from this thread: its Shutdown went through the loop, no SIGTERM
     assert w.wait_exit() == 0
 
 
@@ -293,7 +320,7 @@ def test_a_worker_that_cannot_load_its_model_says_why(tmp_path):
     messages: queue.Queue = queue.Queue()
     exits: queue.Queue = queue.Queue()
     config = WorkerConfig(model_path=str(tmp_path / "missing"), model_name="x", backend="vllm")
-    WorkerHandle(0, config, lambda _wid, msg: messages.put(msg), lambda _wid, code: exits.put(code)).start()
+    start_handle(0, config, lambda _wid, msg: messages.put(msg), lambda _wid, code: exits.put(code))
     failed = messages.get(timeout=WAIT_S)
     assert isinstance(failed, WorkerFailed) and "config.json" in failed.message
     assert exits.get(timeout=WAIT_S) == 1
