@@ -28,10 +28,18 @@ from typing import Any
 
 # (module, class or None, function): sync functions the loop runs per step report, per timer and per request.
 FUNCTIONS = [
+    ("tokenline.engine.loop_pipe", "LoopPipe", "_readable"),
     ("tokenline.engine.supervisor", "Supervisor", "_on_message"),
+    ("tokenline.server.runtime", "Runtime", "_step_reported"),
     ("tokenline.engine.scheduler.core", "Scheduler", "on_step"),
     ("tokenline.engine.scheduler.core", "Scheduler", "_learn"),
     ("tokenline.engine.scheduler.core", "Scheduler", "_dispatch"),
+    ("tokenline.engine.scheduler.core", "Scheduler", "_expire_overdue"),
+    ("tokenline.engine.scheduler.core", "Scheduler", "_admit_queued"),
+    ("tokenline.engine.scheduler.core", "Scheduler", "_note_capacity"),
+    ("tokenline.engine.scheduler.core", "Scheduler", "_compose"),
+    ("tokenline.engine.scheduler.preemption", "Preemption", "for_interactive"),
+    ("tokenline.engine.scheduler.pace", "WorkerPace", "observe"),
     ("tokenline.engine.scheduler.core", "Scheduler", "submit"),
     ("tokenline.engine.scheduler.planner", "StepPlanner", "plan"),
     ("tokenline.server.runtime", "Runtime", "_handle"),

@@ -165,6 +165,11 @@ class StepPlan:
     def limits(self) -> bool:
         return self.bulk_decode is not None or self.prefill_tokens is not None
 
+    @property
+    def worker_limits(self) -> tuple[int | None, ...]:
+        """What the worker applies (all but the forecast): a plan that moves none of these need not be sent."""
+        return self.bulk_decode, self.prefill_tokens, self.guard_prefill_tokens, self.budget_prefill_tokens
+
     def prefill_budget(self, interactive_owed: int) -> int | None:
         """The prompt tokens a step may compute, given the interactive prompt tokens the worker still owes now.
 

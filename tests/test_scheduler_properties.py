@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenline.engine.scheduler.config import ClassConfig, SchedulerConfig, TenantConfig
+from tokenline.engine.scheduler.records import SetPlan
 from tokenline.engine.scheduler.status import Status
 from tokenline.engine.simulation import SimRequest, Simulation, linear_cost, worker_spec
 from tokenline.engine.types import TrafficClass
@@ -216,3 +217,25 @@ def test_with_two_workers_busy_a_worker_keeps_its_plan_on_the_other_workers_repo
             for i in range(12)]
     kept = _plans_checked(reqs, 0.05, 2)
     assert sum(kept) > len(kept) / 3, f"{sum(kept)} of {len(kept)} plans kept"
+
+
+@settings(max_examples=int(__import__("os").environ.get("TOKENLINE_HYPOTHESIS_EXAMPLES", "150")), deadline=None)
+@given(workloads(), st.sampled_from([None, 0.02, 0.05]), st.integers(1, 3))
+def test_a_worker_runs_every_limit_of_the_plan_the_scheduler_holds_for_it(reqs, itl_target, workers):
+    # A plan goes to its worker only when a limit the worker applies moved (the forecast alone does not move one):
+    # after every decision, the plan a worker was last sent limits it as the scheduler's own copy says.
+    sim = make_sim(workers=workers)
+    sched = sim.scheduler
+    sched.config = replace(sched.config, interactive=replace(sched.config.interactive, itl_target_s=itl_target,
+                                                             ttft_target_s=0.5 if itl_target else None))
+    compose = sched._compose
+
+    def checked(model):
+        actions = compose(model)
+        now_sent = {a.worker_id: a.plan for a in actions if isinstance(a, SetPlan)}
+        for wid in model.workers + model.retiring:
+            sent, held = now_sent.get(wid, sim.workers[wid].plan), sched.workers[wid].plan
+            assert sent.worker_limits == held.worker_limits, f"worker {wid} runs {sent}, the scheduler holds {held}"
+        return actions
+    sched._compose = checked
+    sim.run(reqs)

@@ -395,8 +395,7 @@ class Scheduler:
                 continue
             w.planned_at = inputs
             plan = self.planner.plan(w, model)
-            if (plan.bulk_decode, plan.prefill_tokens, plan.guard_prefill_tokens) != \
-                    (w.plan.bulk_decode, w.plan.prefill_tokens, w.plan.guard_prefill_tokens):
+            if plan.worker_limits != w.plan.worker_limits:
                 actions.append(SetPlan(wid, plan))
             w.plan = plan
         return actions
