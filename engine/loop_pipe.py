@@ -46,7 +46,7 @@ class LoopPipe:
     `on_message(msg)` runs on the loop for every message, in order; `on_eof()` once when the other end
     has closed (after every message before it). A message that does not unpickle is logged and skipped
     (the stream stays framed). `send` may be called from any thread; off the loop's it is handed over.
-    A send after the other end is gone is dropped: its EOF tells of that."""
+    A send before `start` or after the other end is gone is dropped (its EOF tells of the latter)."""
 
     def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop, on_message: Callable[[object], None],
                  on_eof: Callable[[], None], *, name: str = "pipe"):
@@ -72,6 +72,8 @@ class LoopPipe:
 
     def send(self, msg: object) -> None:
         if threading.get_ident() != self._loop_thread:
+            if self._loop_thread is None:
+                return  # not started: there is no one to send to yet
             try:
                 self._loop.call_soon_threadsafe(self.send, msg)
             except RuntimeError:

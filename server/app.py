@@ -273,13 +273,13 @@ async def serve(config: ServeConfig, *, telemetry: Telemetry | None = None, stop
     await asyncio.wait({ready, stopper}, return_when=asyncio.FIRST_COMPLETED)
     status = 0
     if ready.done() and ready.result():
+        freeze_startup_heap()  # before health says SERVING: no caller's request waits on its full collection
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
         print(f"tokenline: serving on {config.host}:{port}{_serving_mode(runtime)}{_itl_target_now(runtime, default_model)}",
               flush=True)
         if jobs is not None:
             jobs.start()
             print(f"tokenline: running jobs from {jobs.store.description} as {jobs.owner}", flush=True)
-        freeze_startup_heap()
 
         def follow_workers(serving: bool) -> None:
             # A model with no live worker (one died, being restarted) is reported NOT_SERVING.

@@ -116,3 +116,21 @@ def test_frames_are_what_connection_send_writes():
     for m in [None, ("x" * 20_000, 3), list(range(1000))]:
         os.write(ours.fileno(), frame(m))
         assert theirs.recv() == m
+
+
+def test_a_send_before_start_is_dropped_and_the_pipe_then_serves():
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+
+    async def main():
+        got: list[object] = []
+        pipe = LoopPipe(ours, asyncio.get_running_loop(), got.append, lambda: None)
+        await asyncio.to_thread(pipe.send, "too early")  # from another thread: not handed to the loop for ever
+        pipe.start()
+        pipe.send("first")
+        theirs.send("back")
+        while not got:
+            await asyncio.sleep(0.01)
+        first = await asyncio.to_thread(theirs.recv)
+        return got, first, await asyncio.to_thread(theirs.poll, 0.3)
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) == (["back"], "first", False)  # nothing after "first"
